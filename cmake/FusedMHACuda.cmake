@@ -1,0 +1,21 @@
+# Decides FUSEDMHA_WITH_CUDA from FUSEDMHA_CUDA=auto|0|1. No CUDA kernel is
+# built yet (the CUDA issue adds them); the switch and its checks live here so
+# that the decision is made from the toolkit, never from a GPU being present.
+set(FUSEDMHA_WITH_CUDA 0)
+if(NOT FUSEDMHA_CUDA STREQUAL "0")
+  include(CheckLanguage)
+  check_language(CUDA)
+  set(_torch_has_cuda OFF)
+  if(TARGET c10_cuda OR C10_CUDA_LIBRARY)
+    set(_torch_has_cuda ON)
+  endif()
+  if(CMAKE_CUDA_COMPILER AND _torch_has_cuda)
+    message(STATUS "fusedmha: CUDA toolkit and CUDA torch found; no CUDA kernels exist yet, building CPU only")
+  elseif(FUSEDMHA_CUDA STREQUAL "1")
+    message(FATAL_ERROR "fusedmha: FUSEDMHA_CUDA=1 but no CUDA toolkit (nvcc) or no CUDA-enabled torch was found")
+  endif()
+  if(FUSEDMHA_CUDA STREQUAL "1")
+    message(FATAL_ERROR "fusedmha: FUSEDMHA_CUDA=1 was asked for, but this version has no CUDA kernels yet")
+  endif()
+endif()
+message(STATUS "fusedmha: CUDA kernels: ${FUSEDMHA_WITH_CUDA}")

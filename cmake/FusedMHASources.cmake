@@ -1,0 +1,16 @@
+# The source list of the library, read by CMakeLists.txt (and so by setup.py,
+# which drives CMake). Nothing else lists sources.
+set(FUSEDMHA_SOURCES
+  csrc/ops/registration.cpp
+  csrc/ops/attention.cpp
+  csrc/ops/attention_checks.cpp
+  csrc/ops/attention_meta.cpp
+  csrc/ops/attention_autograd.cpp
+  csrc/ops/build_info.cpp
+  csrc/cpu/attention_forward.cpp
+  csrc/cpu/isa.cpp
+)
+# Compiled once per ISA level (see FUSEDMHA_CPU_ISA_LEVELS).
+set(FUSEDMHA_CPU_ISA_SOURCES
+  csrc/cpu/attention_forward_kernel.cpp
+)

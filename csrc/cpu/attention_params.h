@@ -1,0 +1,66 @@
+#pragma once
+
+// What the host wrapper (attention_forward.cpp) hands the CPU kernels: plain
+// pointers, sizes and strides, no ATen types, so the kernels compile fast
+// and can be read on their own.
+
+#include <cstddef>
+#include <cstdint>
+
+namespace fusedmha::cpu {
+
+enum class DType { Float32, Float64, BFloat16, Float16 };
+
+enum class MaskKind {
+  None,
+  Bool,            // true = may attend
+  Additive,        // added to the scores, query's dtype
+  AdditiveFloat32  // added to the scores, float32 (for half-precision queries)
+};
+
+// The (row, col) matrices of one input, one matrix per "outer" index (the
+// flattened batch dims and heads of the output). The host lists the element
+// offset of each outer index's matrix, which is how broadcast batch/head
+// dims (stride 0), grouped-query heads and transposed layouts are all read in
+// place without copies.
+struct MatrixView {
+  const void* data = nullptr;
+  const int64_t* offsets = nullptr;  // one per outer index
+  int64_t row_stride = 0;
+  int64_t col_stride = 1;  // 1 for q/k/v; any value (0 too) for the mask
+};
+
+struct ForwardParams {
+  DType dtype = DType::Float32;
+  int64_t outer = 0;  // batch dims × heads of the output
+  int64_t len_q = 0;
+  int64_t len_kv = 0;
+  int64_t dim_qk = 0;
+  int64_t dim_v = 0;
+
+  MatrixView q, k, v;
+  MaskKind mask_kind = MaskKind::None;
+  MatrixView mask;
+
+  double scale = 1.0;
+  bool is_causal = false;  // top-left aligned: row i sees keys 0..i
+
+  void* out = nullptr;  // dtype, rows at out + out_offsets[o] + i * out_row_stride
+  const int64_t* out_offsets = nullptr;
+  int64_t out_row_stride = 0;
+  void* lse = nullptr;  // (outer, len_q) row-major, float (double for Float64)
+
+  int64_t block_q = 0;   // query rows per work item (set by forward_configure)
+  int64_t block_kv = 0;  // keys per inner step (set by forward_configure)
+};
+
+// A work item is one (outer index, block of query rows), numbered
+// outer-major.
+inline int64_t num_query_blocks(const ForwardParams& p) {
+  return (p.len_q + p.block_q - 1) / p.block_q;
+}
+inline int64_t num_work_items(const ForwardParams& p) {
+  return p.outer * num_query_blocks(p);
+}
+
+}  // namespace fusedmha::cpu

@@ -1,0 +1,84 @@
+#include "cpu/isa.h"
+
+#include <ATen/Version.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cstdlib>
+
+namespace fusedmha::cpu {
+namespace {
+
+#if FUSEDMHA_CPU_X86
+constexpr IsaLevel kHighestCompiled = IsaLevel::Avx512;
+#else
+constexpr IsaLevel kHighestCompiled = IsaLevel::Default;
+#endif
+
+IsaLevel highest_supported_by_cpu() {
+#if FUSEDMHA_CPU_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+      __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
+    return IsaLevel::Avx512;
+  }
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c")) {
+    return IsaLevel::Avx2;
+  }
+#endif
+  return IsaLevel::Default;
+}
+
+IsaLevel aten_choice() {
+  const std::string cap = at::get_cpu_capability();
+  if (cap.find("AVX512") != std::string::npos) return IsaLevel::Avx512;
+  if (cap.find("AVX2") != std::string::npos) return IsaLevel::Avx2;
+  return IsaLevel::Default;
+}
+
+}  // namespace
+
+const char* isa_name(IsaLevel level) {
+  switch (level) {
+    case IsaLevel::Avx512: return "avx512";
+    case IsaLevel::Avx2: return "avx2";
+    case IsaLevel::Default: break;
+  }
+  return "default";
+}
+
+std::vector<std::string> compiled_isas() {
+  std::vector<std::string> names;
+  for (int l = 0; l <= static_cast<int>(kHighestCompiled); ++l) {
+    names.emplace_back(isa_name(static_cast<IsaLevel>(l)));
+  }
+  return names;
+}
+
+IsaLevel selected_isa() {
+  static const IsaLevel cpu_level = highest_supported_by_cpu();
+  static const IsaLevel automatic = std::min({aten_choice(), cpu_level, kHighestCompiled});
+  const char* env = std::getenv("FUSEDMHA_CPU_ISA");
+  if (env == nullptr || *env == '\0') return automatic;
+  std::string wanted(env);
+  std::transform(wanted.begin(), wanted.end(), wanted.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  for (int l = 0; l <= static_cast<int>(IsaLevel::Avx512); ++l) {
+    const auto level = static_cast<IsaLevel>(l);
+    if (wanted != isa_name(level)) continue;
+    TORCH_CHECK(level <= kHighestCompiled, "FUSEDMHA_CPU_ISA=", env,
+                ": this build of fusedmha was not compiled for that level (compiled up to ",
+                isa_name(kHighestCompiled), ")");
+    TORCH_CHECK(level <= cpu_level, "FUSEDMHA_CPU_ISA=", env,
+                ": this CPU does not support that level (it supports up to ",
+                isa_name(cpu_level), ")");
+    return level;
+  }
+  TORCH_CHECK(false, "FUSEDMHA_CPU_ISA=", env,
+              ": expected one of default, avx2, avx512 (or unset for automatic)");
+}
+
+}  // namespace fusedmha::cpu

@@ -1,0 +1,43 @@
+#pragma once
+
+#include <fusedmha/macros.h>
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+
+#include <tuple>
+
+namespace fusedmha {
+
+// Same signature and meaning as at::scaled_dot_product_attention:
+// query (..., H, L, E), key (..., H_kv, S, E), value (..., H_kv, S, Ev);
+// attn_mask bool (true = may attend) or float (added to the scores),
+// broadcastable to (..., H, L, S); is_causal is top-left aligned; scale
+// defaults to 1/sqrt(E); enable_gqa lets H be a multiple of H_kv.
+// A query row whose keys are all masked gets output 0 (PyTorch gives NaN).
+// Goes through the dispatcher (op fusedmha::scaled_dot_product_attention).
+FUSEDMHA_API at::Tensor scaled_dot_product_attention(
+    const at::Tensor& query,
+    const at::Tensor& key,
+    const at::Tensor& value,
+    const std::optional<at::Tensor>& attn_mask = std::nullopt,
+    double dropout_p = 0.0,
+    bool is_causal = false,
+    std::optional<double> scale = std::nullopt,
+    bool enable_gqa = false);
+
+// The forward op itself (fusedmha::attention_forward): returns the output
+// and the per-row log-sum-exp of the scaled, masked scores, shape
+// (..., H, L), float32 (float64 for float64 inputs); +inf for rows with no
+// key to attend to.
+FUSEDMHA_API std::tuple<at::Tensor, at::Tensor> attention_forward(
+    const at::Tensor& query,
+    const at::Tensor& key,
+    const at::Tensor& value,
+    const std::optional<at::Tensor>& attn_mask = std::nullopt,
+    double dropout_p = 0.0,
+    bool is_causal = false,
+    std::optional<double> scale = std::nullopt,
+    bool enable_gqa = false);
+
+}  // namespace fusedmha

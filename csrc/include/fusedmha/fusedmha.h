@@ -1,0 +1,6 @@
+#pragma once
+
+// The whole public C++ API of fusedmha.
+#include <fusedmha/attention.h>
+#include <fusedmha/build_info.h>
+#include <fusedmha/macros.h>

@@ -1,0 +1,67 @@
+// The C++ API: thin calls through the dispatcher, so that device dispatch,
+// autograd, autocast and tracing apply to C++ callers exactly as to Python's.
+
+#include <fusedmha/attention.h>
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+namespace fusedmha {
+namespace {
+
+using ForwardSignature = std::tuple<at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+    double, bool, std::optional<double>, bool);
+using SdpaSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                 const std::optional<at::Tensor>&, double, bool,
+                                 std::optional<double>, bool);
+
+const c10::TypedOperatorHandle<ForwardSignature>& forward_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                              .findSchemaOrThrow("fusedmha::attention_forward", "")
+                              .typed<ForwardSignature>();
+  return op;
+}
+
+const c10::TypedOperatorHandle<SdpaSignature>& sdpa_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("fusedmha::scaled_dot_product_attention", "")
+                             .typed<SdpaSignature>();
+  return op;
+}
+
+// fusedmha::scaled_dot_product_attention for every backend: the forward op's
+// output. Registered as CompositeImplicitAutograd, so autograd and tracing
+// see attention_forward.
+at::Tensor sdpa_composite(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                          const std::optional<at::Tensor>& attn_mask, double dropout_p,
+                          bool is_causal, std::optional<double> scale, bool enable_gqa) {
+  return std::get<0>(forward_op().call(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                       enable_gqa));
+}
+
+}  // namespace
+
+at::Tensor scaled_dot_product_attention(const at::Tensor& query, const at::Tensor& key,
+                                        const at::Tensor& value,
+                                        const std::optional<at::Tensor>& attn_mask,
+                                        double dropout_p, bool is_causal,
+                                        std::optional<double> scale, bool enable_gqa) {
+  return sdpa_op().call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa);
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& query,
+                                                     const at::Tensor& key,
+                                                     const at::Tensor& value,
+                                                     const std::optional<at::Tensor>& attn_mask,
+                                                     double dropout_p, bool is_causal,
+                                                     std::optional<double> scale,
+                                                     bool enable_gqa) {
+  return forward_op().call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa);
+}
+
+TORCH_LIBRARY_IMPL(fusedmha, CompositeImplicitAutograd, m) {
+  m.impl("scaled_dot_product_attention", TORCH_FN(sdpa_composite));
+}
+
+}  // namespace fusedmha

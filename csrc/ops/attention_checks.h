@@ -1,0 +1,45 @@
+#pragma once
+
+// Input validation and output allocation for fusedmha::attention_forward,
+// shared by every kernel (CPU, Meta, later CUDA) so that they accept the
+// same inputs, raise the same errors and return the same shapes and strides.
+// Works on symbolic sizes, so the Meta kernel runs it under torch.compile.
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace fusedmha::ops {
+
+// Raises c10::Error (RuntimeError in Python) naming the bad argument.
+void check_attention_inputs(const at::Tensor& query,
+                            const at::Tensor& key,
+                            const at::Tensor& value,
+                            const std::optional<at::Tensor>& attn_mask,
+                            double dropout_p,
+                            bool is_causal,
+                            std::optional<double> scale,
+                            bool enable_gqa);
+
+// Output (..., H, L, Ev) laid out as (..., L, H, Ev) in memory, like
+// PyTorch's fused CPU kernel (a head-merging reshape is then free), and the
+// log-sum-exp (..., H, L), float32 (float64 for float64 inputs).
+std::tuple<at::Tensor, at::Tensor> allocate_attention_outputs(const at::Tensor& query,
+                                                              const at::Tensor& key,
+                                                              const at::Tensor& value,
+                                                              bool enable_gqa);
+
+// The broadcast shape of everything before (L, E): batch dims..., heads.
+// Batch and head dims broadcast like matmul's (size 1 stretches); with
+// enable_gqa the key/value head counts may instead divide the query's.
+std::vector<c10::SymInt> attention_outer_shape(const at::Tensor& query,
+                                               const at::Tensor& key,
+                                               const at::Tensor& value,
+                                               bool enable_gqa);
+
+// scale, or 1/sqrt(E) when it is not given.
+double attention_scale(const at::Tensor& query, std::optional<double> scale);
+
+}  // namespace fusedmha::ops

@@ -1,0 +1,27 @@
+// Meta (shape-only) kernel of fusedmha::attention_forward: fake tensors,
+// torch.compile and torch.export run this. It shares the checks and the
+// output allocation with the real kernels, so shapes, strides and errors
+// agree; sizes stay symbolic.
+
+#include "ops/attention_checks.h"
+
+#include <torch/library.h>
+
+namespace fusedmha::ops {
+namespace {
+
+std::tuple<at::Tensor, at::Tensor> attention_forward_meta(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
+    std::optional<double> scale, bool enable_gqa) {
+  check_attention_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa);
+  return allocate_attention_outputs(query, key, value, enable_gqa);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fusedmha, Meta, m) {
+  m.impl("attention_forward", TORCH_FN(attention_forward_meta));
+}
+
+}  // namespace fusedmha::ops

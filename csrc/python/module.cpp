@@ -1,0 +1,25 @@
+// The Python extension module fusedmha._C. The ops themselves are reached
+// through torch.ops.fusedmha (registered by libfusedmha, which this module
+// links); this module only carries what torch.ops cannot.
+
+#include <fusedmha/build_info.h>
+
+#include <torch/extension.h>
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "fusedmha native module (build information)";
+  m.def(
+      "build_info",
+      []() {
+        const fusedmha::BuildInfo info = fusedmha::build_info();
+        pybind11::dict d;
+        d["version"] = info.version;
+        d["torch_version"] = info.torch_version;
+        d["cpu_isas"] = info.cpu_isas;
+        d["cpu_isa_in_use"] = info.cpu_isa_in_use;
+        d["cuda"] = info.cuda;
+        return d;
+      },
+      "Version, the torch version built against, the CPU ISA levels compiled, the level in "
+      "use now, and whether CUDA kernels are compiled in.");
+}

@@ -1,0 +1,39 @@
+"""fusedmha: fused multi-head attention for PyTorch (CPU kernels; CUDA to come).
+
+    import fusedmha
+    out = fusedmha.scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False)
+
+Importing the package loads the native library, which registers the ops
+under ``torch.ops.fusedmha``.
+"""
+
+import torch
+
+from fusedmha._build_config import TORCH_VERSION as _BUILT_TORCH_VERSION
+from fusedmha._build_config import VERSION as __version__
+
+
+def _major_minor(version: str) -> tuple:
+    parts = version.split("+")[0].split(".")
+    return int(parts[0]), int(parts[1])
+
+
+# A C++ extension only loads into the torch (major.minor) it was compiled
+# against; say so plainly instead of failing on an undefined symbol.
+if _major_minor(torch.__version__) != _major_minor(_BUILT_TORCH_VERSION):
+    raise ImportError(
+        f"fusedmha {__version__} was built against torch {_BUILT_TORCH_VERSION}, but torch "
+        f"{torch.__version__} is installed. Rebuild it against this torch: "
+        "pip install --no-build-isolation --force-reinstall --no-deps <path to fusedmha>"
+    )
+
+from fusedmha import _C  # noqa: E402  (loads libfusedmha: registers torch.ops.fusedmha)
+from fusedmha.functional import scaled_dot_product_attention  # noqa: E402
+
+
+def build_info() -> dict:
+    """Version, torch version built against, CPU ISA levels compiled and in use, CUDA on/off."""
+    return _C.build_info()
+
+
+__all__ = ["scaled_dot_product_attention", "build_info", "__version__"]
