@@ -146,16 +146,20 @@ std::tuple<at::Tensor, at::Tensor> allocate_attention_outputs(const at::Tensor& 
   if (rank == 2) lse_shape.erase(lse_shape.begin());  // no head dim
   at::Tensor lse = at::empty_symint(lse_shape, query.options().dtype(lse_dtype));
 
+  // Like PyTorch's SDPA, the output follows the query's layout: (..., L, H,
+  // Ev) memory when the query's heads are interleaved within its rows (the
+  // (B, L, H, E) projection viewed as (B, H, L, E)), else contiguous.
   at::Tensor out;
-  if (rank == 2) {
-    out = at::empty_symint({len_q, dim_v}, query.options());
-  } else {
-    // Memory (..., L, H, Ev), viewed as (..., H, L, Ev).
+  if (rank >= 3 && query.dim() >= 3 && query.sym_stride(-3) < query.sym_stride(-2)) {
     std::vector<c10::SymInt> physical(outer.begin(), outer.end() - 1);
     physical.push_back(len_q);
     physical.push_back(outer.back());
     physical.push_back(dim_v);
     out = at::empty_symint(physical, query.options()).transpose(-2, -3);
+  } else {
+    std::vector<c10::SymInt> out_shape = lse_shape;
+    out_shape.push_back(dim_v);
+    out = at::empty_symint(out_shape, query.options());
   }
   return {out, lse};
 }

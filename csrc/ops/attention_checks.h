@@ -23,8 +23,7 @@ void check_attention_inputs(const at::Tensor& query,
                             std::optional<double> scale,
                             bool enable_gqa);
 
-// Output (..., H, L, Ev) laid out as (..., L, H, Ev) in memory, like
-// PyTorch's fused CPU kernel (a head-merging reshape is then free), and the
+// Output (..., H, L, Ev) in the query's layout, as PyTorch's SDPA returns it, and the
 // log-sum-exp (..., H, L), float32 (float64 for float64 inputs).
 std::tuple<at::Tensor, at::Tensor> allocate_attention_outputs(const at::Tensor& query,
                                                               const at::Tensor& key,
