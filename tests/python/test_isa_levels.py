@@ -1,0 +1,86 @@
+"""Every compiled ISA level, forced with FUSEDMHA_CPU_ISA, gives the same results; a level
+the CPU lacks is refused with a clear error instead of crashing."""
+
+import os
+
+import pytest
+import torch
+
+import fusedmha
+from reference import assert_attention_close
+
+NEEDS = {"default": set(), "avx2": {"avx2", "fma", "f16c"},
+         "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"}}
+
+
+def cpu_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@pytest.fixture
+def force_isa():
+    old = os.environ.get("FUSEDMHA_CPU_ISA")
+
+    def force(level):
+        os.environ["FUSEDMHA_CPU_ISA"] = level
+
+    yield force
+    if old is None:
+        os.environ.pop("FUSEDMHA_CPU_ISA", None)
+    else:
+        os.environ["FUSEDMHA_CPU_ISA"] = old
+
+
+def cases():
+    r = torch.randn
+    for dtype in [torch.float32, torch.float64, torch.bfloat16, torch.float16]:
+        yield (r(2, 4, 37, 64, dtype=dtype), r(2, 4, 45, 64, dtype=dtype), r(2, 4, 45, 64, dtype=dtype)), {}
+        yield (r(2, 4, 70, 13, dtype=dtype), r(2, 4, 90, 13, dtype=dtype), r(2, 4, 90, 21, dtype=dtype)), {"is_causal": True}
+        yield (r(2, 4, 37, 128, dtype=dtype), r(2, 2, 45, 128, dtype=dtype), r(2, 2, 45, 128, dtype=dtype)), \
+            {"attn_mask": torch.rand(37, 45) > 0.3, "enable_gqa": True}
+
+
+@pytest.mark.parametrize("level", ["default", "avx2", "avx512"])
+def test_forced_level(level, force_isa):
+    compiled = fusedmha.build_info()["cpu_isas"]
+    force_isa(level)
+    inputs = list(cases())
+    if level not in compiled:
+        with pytest.raises(RuntimeError, match="not compiled for that level"):
+            fusedmha.scaled_dot_product_attention(*inputs[0][0])
+        return
+    if not NEEDS[level] <= cpu_flags():
+        with pytest.raises(RuntimeError, match="this CPU does not support that level"):
+            fusedmha.scaled_dot_product_attention(*inputs[0][0])
+        return
+    assert fusedmha.build_info()["cpu_isa_in_use"] == level
+    for args, kwargs in inputs:
+        out = fusedmha.scaled_dot_product_attention(*args, **kwargs)
+        assert_attention_close(out, *args, **kwargs)
+
+
+def test_levels_agree(force_isa):
+    levels = [lvl for lvl in fusedmha.build_info()["cpu_isas"] if NEEDS[lvl] <= cpu_flags()]
+    assert "default" in levels
+    for args, kwargs in cases():
+        outs = []
+        for level in levels:
+            force_isa(level)
+            outs.append(fusedmha.scaled_dot_product_attention(*args, **kwargs))
+        for out in outs[1:]:
+            # Different vector widths round differently; agreement is at working precision.
+            tol = {torch.float64: 1e-12, torch.float32: 2e-6}.get(args[0].dtype, 1e-2)
+            torch.testing.assert_close(out, outs[0], rtol=tol, atol=tol)
+
+
+def test_unknown_level(force_isa):
+    force_isa("sse9")
+    with pytest.raises(RuntimeError, match="expected one of default, avx2, avx512"):
+        fusedmha.scaled_dot_product_attention(torch.randn(1, 2, 4), torch.randn(1, 3, 4), torch.randn(1, 3, 4))

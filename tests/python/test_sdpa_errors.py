@@ -1,0 +1,123 @@
+"""Bad input raises a RuntimeError that names the argument and what was expected."""
+
+import pytest
+import torch
+
+import fusedmha
+
+sdpa = fusedmha.scaled_dot_product_attention
+
+
+def qkv(B=2, H=4, L=5, S=7, E=8, Ev=6, dtype=torch.float32):
+    return (torch.randn(B, H, L, E, dtype=dtype), torch.randn(B, H, S, E, dtype=dtype),
+            torch.randn(B, H, S, Ev, dtype=dtype))
+
+
+def raises(match, *args, **kwargs):
+    with pytest.raises(RuntimeError, match=match):
+        sdpa(*args, **kwargs)
+    # The op itself (what C++ and torch.compile call) raises the same.
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.fusedmha.attention_forward(*args, **kwargs)
+
+
+def test_rank_too_small():
+    q, k, v = qkv()
+    raises(r"at least 2 dims.*query.dim\(\)=1", q[0, 0, 0], k, v)
+    raises(r"key.dim\(\)=1", q, k[0, 0, 0], v)
+
+
+def test_embedding_dim_mismatch():
+    q, k, v = qkv()
+    raises(r"key's last dim \(E\) to equal query's", q, k[..., :5], v)
+
+
+def test_sequence_length_mismatch():
+    q, k, v = qkv()
+    raises(r"value's sequence length.*to equal key's", q, k, v[:, :, :6])
+
+
+def test_batch_mismatch():
+    q, k, v = qkv()
+    raises(r"batch dims of query, key and value must be broadcastable", q, torch.randn(3, 4, 7, 8), torch.randn(3, 4, 7, 6))
+
+
+def test_head_mismatch_without_gqa():
+    q, k, v = qkv(H=4)
+    k2, v2 = torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 6)
+    raises(r"same number of heads.*enable_gqa=True", q, k2, v2)
+
+
+def test_gqa_heads_must_divide():
+    q = torch.randn(2, 6, 5, 8)
+    k, v = torch.randn(2, 4, 7, 8), torch.randn(2, 4, 7, 6)
+    raises(r"enable_gqa=True the number of heads in key \(4\).*must divide.*query \(6\)", q, k, v, enable_gqa=True)
+
+
+def test_dtype_mismatch():
+    q, k, v = qkv()
+    raises(r"same dtype.*key.dtype=Double", q, k.double(), v)
+    raises(r"same dtype.*value.dtype=BFloat16", q, k, v.bfloat16())
+
+
+def test_integer_inputs():
+    q, k, v = qkv()
+    raises(r"query of dtype float32, float64, bfloat16 or float16, got Long", q.long(), k.long(), v.long())
+
+
+def test_device_mismatch():
+    q, k, v = qkv()
+    raises(r"same device.*key on meta", q, k.to("meta"), v)
+
+
+def test_mask_integer_dtype():
+    q, k, v = qkv()
+    raises(r"attn_mask of dtype bool, float32 or the query's dtype.*got Long", q, k, v, attn_mask=torch.ones(5, 7, dtype=torch.long))
+
+
+def test_mask_other_float_dtype():
+    q, k, v = qkv(dtype=torch.bfloat16)
+    raises(r"attn_mask of dtype.*got Double", q, k, v, attn_mask=torch.zeros(5, 7, dtype=torch.double))
+
+
+@pytest.mark.parametrize("shape", [(4, 7), (5, 6), (3, 5, 7), (1, 2, 4, 5, 7), (2, 4, 5, 7, 1)])
+def test_mask_not_broadcastable(shape):
+    q, k, v = qkv()
+    raises(r"attn_mask of shape .* is not broadcastable to the attention shape", q, k, v,
+           attn_mask=torch.ones(shape, dtype=torch.bool))
+
+
+def test_mask_device_mismatch():
+    q, k, v = qkv()
+    raises(r"attn_mask on the query's device", q, k, v, attn_mask=torch.ones(5, 7, dtype=torch.bool, device="meta"))
+
+
+def test_mask_with_causal():
+    q, k, v = qkv()
+    raises(r"attn_mask should not be set when is_causal=True", q, k, v, attn_mask=torch.ones(5, 7, dtype=torch.bool), is_causal=True)
+
+
+@pytest.mark.parametrize("p", [-0.1, 1.0, 1.5, float("nan")])
+def test_dropout_out_of_range(p):
+    q, k, v = qkv()
+    raises(r"dropout_p must be in \[0, 1\)", q, k, v, dropout_p=p)
+
+
+def test_dropout_not_supported_yet():
+    q, k, v = qkv()
+    raises(r"dropout_p > 0 is not supported yet", q, k, v, dropout_p=0.1)
+
+
+@pytest.mark.parametrize("scale", [-1.0, float("inf"), float("nan")])
+def test_bad_scale(scale):
+    q, k, v = qkv()
+    raises(r"scale must be a finite number >= 0", q, k, v, scale=scale)
+
+
+def test_backward_raises_until_implemented():
+    q, k, v = qkv()
+    q.requires_grad_()
+    out = sdpa(q, k, v)
+    assert out.requires_grad
+    with pytest.raises(RuntimeError, match="backward is not implemented yet"):
+        out.sum().backward()
