@@ -1,21 +1,209 @@
+// The C++ API against ATen's own scaled_dot_product_attention.
+
 #include <fusedmha/fusedmha.h>
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <string>
+
+namespace {
+
+using torch::indexing::Slice;
+
+// Fused vs ATen in float64 (ATen's math path), compared at the input dtype's precision.
+void expect_matches_aten(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const std::optional<at::Tensor>& mask = std::nullopt,
+                         bool is_causal = false, std::optional<double> scale = std::nullopt,
+                         bool enable_gqa = false) {
+  const at::Tensor out =
+      fusedmha::scaled_dot_product_attention(q, k, v, mask, 0.0, is_causal, scale, enable_gqa);
+  std::optional<at::Tensor> mask64 = mask;
+  if (mask.has_value() && mask->is_floating_point()) mask64 = mask->to(at::kDouble);
+  const at::Tensor ref = at::scaled_dot_product_attention(
+      q.to(at::kDouble), k.to(at::kDouble), v.to(at::kDouble), mask64, 0.0, is_causal, scale,
+      enable_gqa);
+  ASSERT_EQ(out.sizes(), ref.sizes());
+  ASSERT_EQ(out.scalar_type(), q.scalar_type());
+  const double tol = q.scalar_type() == at::kDouble  ? 1e-12
+                     : q.scalar_type() == at::kFloat ? 1e-5
+                     : q.scalar_type() == at::kHalf  ? 4e-3
+                                                     : 3e-2;
+  EXPECT_TRUE(torch::allclose(out.to(at::kDouble), ref, tol, tol))
+      << "max abs diff " << (out.to(at::kDouble) - ref).abs().max().item<double>();
+}
+
+// Runs f and expects a c10::Error whose message contains `needle`.
+template <typename F>
+void expect_error(F f, const std::string& needle) {
+  try {
+    f();
+    ADD_FAILURE() << "expected an error containing: " << needle;
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+
 TEST(Dispatcher, OpsAreRegistered) {
   auto& d = c10::Dispatcher::singleton();
-  EXPECT_TRUE(d.findSchema({"fusedmha::attention_forward", ""}).has_value());
+  const auto fwd = d.findSchema({"fusedmha::attention_forward", ""});
+  ASSERT_TRUE(fwd.has_value());
+  EXPECT_TRUE(fwd->hasKernelForDispatchKey(c10::DispatchKey::CPU));
+  EXPECT_TRUE(fwd->hasKernelForDispatchKey(c10::DispatchKey::Meta));
+  EXPECT_TRUE(fwd->hasKernelForDispatchKey(c10::DispatchKey::Autograd));
   EXPECT_TRUE(d.findSchema({"fusedmha::scaled_dot_product_attention", ""}).has_value());
 }
 
-TEST(Attention, MatchesATenFloat32) {
+TEST(Dispatcher, CallByName) {
   torch::manual_seed(0);
   auto q = torch::randn({2, 3, 17, 8});
   auto k = torch::randn({2, 3, 23, 8});
   auto v = torch::randn({2, 3, 23, 5});
-  auto ref = at::scaled_dot_product_attention(q, k, v);
+  const auto op = c10::Dispatcher::singleton()
+                      .findSchemaOrThrow("fusedmha::scaled_dot_product_attention", "")
+                      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                        const std::optional<at::Tensor>&, double, bool,
+                                        std::optional<double>, bool)>();
+  const auto out = op.call(q, k, v, std::nullopt, 0.0, false, std::nullopt, false);
+  EXPECT_TRUE(torch::equal(out, fusedmha::scaled_dot_product_attention(q, k, v)));
+}
+
+TEST(Attention, Dtypes) {
+  torch::manual_seed(0);
+  for (auto dtype : {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    auto opts = torch::TensorOptions().dtype(dtype);
+    expect_matches_aten(torch::randn({2, 3, 17, 64}, opts), torch::randn({2, 3, 23, 64}, opts),
+                        torch::randn({2, 3, 23, 64}, opts));
+  }
+}
+
+TEST(Attention, HeadDimsAndLengths) {
+  torch::manual_seed(0);
+  for (int64_t e : {1, 7, 64, 128, 256}) {
+    for (auto [l, s] : {std::pair<int64_t, int64_t>{1, 1}, {1, 50}, {50, 1}, {130, 300}}) {
+      SCOPED_TRACE("E=" + std::to_string(e) + " L=" + std::to_string(l) + " S=" + std::to_string(s));
+      expect_matches_aten(torch::randn({2, 2, l, e}), torch::randn({2, 2, s, e}),
+                          torch::randn({2, 2, s, e + 3}));
+    }
+  }
+}
+
+TEST(Attention, Causal) {
+  torch::manual_seed(0);
+  for (auto [l, s] : {std::pair<int64_t, int64_t>{64, 64}, {100, 37}, {37, 100}}) {
+    expect_matches_aten(torch::randn({2, 4, l, 32}), torch::randn({2, 4, s, 32}),
+                        torch::randn({2, 4, s, 32}), std::nullopt, /*is_causal=*/true);
+  }
+}
+
+TEST(Attention, Masks) {
+  torch::manual_seed(0);
+  auto q = torch::randn({2, 4, 19, 16});
+  auto k = torch::randn({2, 4, 23, 16});
+  auto v = torch::randn({2, 4, 23, 16});
+  for (auto shape : std::vector<std::vector<int64_t>>{{19, 23}, {1, 23}, {4, 19, 23}, {2, 1, 19, 23}}) {
+    expect_matches_aten(q, k, v, torch::rand(shape) > 0.2);
+    expect_matches_aten(q, k, v, torch::randn(shape));
+  }
+}
+
+TEST(Attention, FullyMaskedRowIsZero) {
+  torch::manual_seed(0);
+  auto q = torch::randn({1, 2, 5, 8});
+  auto k = torch::randn({1, 2, 7, 8});
+  auto v = torch::randn({1, 2, 7, 8});
+  auto mask = torch::ones({5, 7}, torch::kBool);
+  mask.index_put_({2}, false);
+  const auto out = fusedmha::scaled_dot_product_attention(q, k, v, mask);
+  EXPECT_TRUE(torch::equal(out.index({Slice(), Slice(), 2}), torch::zeros({1, 2, 8})));
+  EXPECT_FALSE(out.isnan().any().item<bool>());
+}
+
+TEST(Attention, GroupedQueryAttention) {
+  torch::manual_seed(0);
+  expect_matches_aten(torch::randn({2, 8, 19, 16}), torch::randn({2, 2, 23, 16}),
+                      torch::randn({2, 2, 23, 16}), std::nullopt, false, std::nullopt,
+                      /*enable_gqa=*/true);
+  expect_matches_aten(torch::randn({2, 8, 19, 16}), torch::randn({2, 2, 19, 16}),
+                      torch::randn({2, 2, 19, 16}), std::nullopt, true, 0.5, true);
+}
+
+TEST(Attention, TransposedInputs) {
+  torch::manual_seed(0);
+  auto q = torch::randn({2, 19, 4, 16}).transpose(1, 2);
+  auto k = torch::randn({2, 23, 4, 16}).transpose(1, 2);
+  auto v = torch::randn({2, 23, 4, 16}).transpose(1, 2);
+  expect_matches_aten(q, k, v);
+}
+
+TEST(Attention, ForwardReturnsLogSumExp) {
+  torch::manual_seed(0);
+  auto q = torch::randn({2, 3, 17, 8});
+  auto k = torch::randn({2, 3, 23, 8});
+  auto v = torch::randn({2, 3, 23, 8});
+  auto [out, lse] = fusedmha::attention_forward(q, k, v);
+  auto ref = torch::logsumexp(torch::matmul(q.to(at::kDouble), k.to(at::kDouble).transpose(-1, -2)) /
+                                  std::sqrt(8.0),
+                              -1);
+  EXPECT_EQ(lse.sizes(), (std::vector<int64_t>{2, 3, 17}));
+  EXPECT_TRUE(torch::allclose(lse.to(at::kDouble), ref, 1e-5, 1e-5));
+}
+
+TEST(Attention, BackwardRaisesUntilImplemented) {
+  auto q = torch::randn({1, 2, 5, 8}, torch::requires_grad());
+  auto k = torch::randn({1, 2, 7, 8});
+  auto v = torch::randn({1, 2, 7, 8});
   auto out = fusedmha::scaled_dot_product_attention(q, k, v);
-  EXPECT_TRUE(torch::allclose(out, ref, 1e-5, 1e-5));
+  EXPECT_TRUE(out.requires_grad());
+  expect_error([&] { out.sum().backward(); }, "backward is not implemented yet");
+}
+
+TEST(Errors, ClearMessages) {
+  auto q = torch::randn({2, 4, 5, 8});
+  auto k = torch::randn({2, 4, 7, 8});
+  auto v = torch::randn({2, 4, 7, 6});
+  auto sdpa = [](auto&&... args) { return fusedmha::scaled_dot_product_attention(args...); };
+  expect_error([&] { sdpa(q.select(0, 0).select(0, 0).select(0, 0), k, v); }, "at least 2 dims");
+  expect_error([&] { sdpa(q, k.narrow(-1, 0, 5), v); }, "key's last dim (E) to equal query's");
+  expect_error([&] { sdpa(q, k, v.narrow(-2, 0, 6)); }, "value's sequence length");
+  expect_error([&] { sdpa(q, k.to(at::kDouble), v); }, "same dtype");
+  expect_error([&] { sdpa(q.to(at::kLong), k.to(at::kLong), v.to(at::kLong)); },
+               "query of dtype float32, float64, bfloat16 or float16");
+  expect_error([&] { sdpa(q, torch::randn({2, 2, 7, 8}), torch::randn({2, 2, 7, 6})); },
+               "same number of heads");
+  expect_error(
+      [&] {
+        fusedmha::scaled_dot_product_attention(torch::randn({2, 6, 5, 8}), torch::randn({2, 4, 7, 8}),
+                                               torch::randn({2, 4, 7, 6}), std::nullopt, 0.0,
+                                               false, std::nullopt, true);
+      },
+      "must divide the number of heads in query");
+  expect_error(
+      [&] { fusedmha::scaled_dot_product_attention(q, k, v, torch::ones({5, 7}, torch::kLong)); },
+      "attn_mask of dtype bool, float32");
+  expect_error(
+      [&] { fusedmha::scaled_dot_product_attention(q, k, v, torch::ones({4, 7}, torch::kBool)); },
+      "is not broadcastable");
+  expect_error(
+      [&] {
+        fusedmha::scaled_dot_product_attention(q, k, v, torch::ones({5, 7}, torch::kBool), 0.0,
+                                               true);
+      },
+      "should not be set when is_causal=True");
+  expect_error([&] { fusedmha::scaled_dot_product_attention(q, k, v, std::nullopt, 1.0); },
+               "dropout_p must be in [0, 1)");
+  expect_error([&] { fusedmha::scaled_dot_product_attention(q, k, v, std::nullopt, 0.0, false, -1.0); },
+               "scale must be a finite number >= 0");
+}
+
+TEST(BuildInfo, Reported) {
+  const auto info = fusedmha::build_info();
+  EXPECT_FALSE(info.version.empty());
+  EXPECT_FALSE(info.torch_version.empty());
+  ASSERT_FALSE(info.cpu_isas.empty());
+  EXPECT_EQ(info.cpu_isas.front(), "default");
 }

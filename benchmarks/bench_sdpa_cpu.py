@@ -1,0 +1,99 @@
+"""Forward attention on CPU, side by side in one process: fusedmha vs PyTorch's
+F.scaled_dot_product_attention (its fused CPU flash kernel) vs an unfused textbook
+implementation. Prints time, GFLOP/s and the ratios (>1 = fusedmha faster), then the peak
+extra memory of a 16k×16k attention.
+
+    python benchmarks/bench_sdpa_cpu.py [--quick] [--lengths 256 1024 4096]
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fusedmha  # noqa: E402
+from common import attention_flops, peak_extra_memory, time_call, unfused_attention  # noqa: E402
+
+
+def run_speed(lengths, dtypes, B, H, E, min_time):
+    print(f"threads={torch.get_num_threads()} isa={fusedmha.build_info()['cpu_isa_in_use']} "
+          f"torch={torch.__version__} B={B} H={H} E={E}")
+    header = (f"{'dtype':9s} {'L=S':>6s} {'variant':8s} {'fusedmha ms':>12s} {'GFLOP/s':>8s} "
+              f"{'torch ms':>9s} {'GFLOP/s':>8s} {'vs torch':>9s} {'unfused ms':>11s} {'vs unfused':>11s}")
+    print(header)
+    print("-" * len(header))
+    for dtype in dtypes:
+        for L in lengths:
+            q, k, v = (torch.randn(B, H, L, E, dtype=dtype) for _ in range(3))
+            mask = torch.randn(L, L, dtype=dtype)
+            for variant in ["plain", "causal", "mask"]:
+                kw = {"is_causal": True} if variant == "causal" else {"attn_mask": mask} if variant == "mask" else {}
+                t_f = time_call(lambda: fusedmha.scaled_dot_product_attention(q, k, v, **kw), min_time)
+                t_t = time_call(lambda: F.scaled_dot_product_attention(q, k, v, **kw), min_time)
+                # The unfused version needs B·H·L·S scores; skip it where that is > 2 GiB.
+                if B * H * L * L * q.element_size() <= 2 << 30:
+                    t_u = time_call(lambda: unfused_attention(q, k, v, **kw), min_time)
+                    unfused = f"{t_u * 1e3:11.2f} {t_u / t_f:10.2f}x"
+                else:
+                    unfused = f"{'-':>11s} {'-':>11s}"
+                flops = attention_flops(B, H, L, L, E, variant == "causal")
+                print(f"{str(dtype).replace('torch.', ''):9s} {L:6d} {variant:8s} {t_f * 1e3:12.2f} "
+                      f"{flops / t_f / 1e9:8.1f} {t_t * 1e3:9.2f} {flops / t_t / 1e9:8.1f} "
+                      f"{t_t / t_f:8.2f}x {unfused}", flush=True)
+
+
+IMPLEMENTATIONS = {
+    "fusedmha": lambda q, k, v: fusedmha.scaled_dot_product_attention(q, k, v),
+    "torch SDPA": lambda q, k, v: F.scaled_dot_product_attention(q, k, v),
+    "unfused": unfused_attention,
+}
+
+
+def measure_memory(name, L, H, E):
+    """Runs in a fresh process so no freed-but-resident pages of another run are reused."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, H, L, E) for _ in range(3))
+    extra = peak_extra_memory(lambda: IMPLEMENTATIONS[name](q, k, v), q.numel() * q.element_size())
+    print(extra)
+
+
+def run_memory(L, H, E):
+    print(f"\nPeak extra memory, B=1 H={H} L=S={L} E={E} float32 (resident memory beyond inputs and output):")
+    for name in IMPLEMENTATIONS:
+        scores_bytes = H * L * L * 4
+        if name == "unfused" and scores_bytes > 2 << 30:
+            print(f"  {name:12s} {scores_bytes / 2**20:9.1f} MiB for the scores alone (not run)")
+            continue
+        res = subprocess.run([sys.executable, __file__, "--measure-memory", name, str(L), str(H), str(E)],
+                             check=True, capture_output=True, text=True)
+        print(f"  {name:12s} {int(res.stdout.split()[-1]) / 2**20:9.1f} MiB", flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096])
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--min-time", type=float, default=1.0, help="seconds of repetitions per measurement")
+    p.add_argument("--memory-length", type=int, default=16384)
+    p.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
+    p.add_argument("--measure-memory", nargs=4, metavar=("IMPL", "L", "H", "E"), help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.measure_memory:
+        name, L, H, E = a.measure_memory
+        return measure_memory(name, int(L), int(H), int(E))
+    if a.quick:
+        a.lengths, a.min_time, a.memory_length = [256], 0.1, 2048
+    torch.manual_seed(0)
+    run_speed(a.lengths, [getattr(torch, d) for d in a.dtypes], a.batch, a.heads, a.head_dim, a.min_time)
+    run_memory(a.memory_length, a.heads, a.head_dim)
+
+
+if __name__ == "__main__":
+    main()

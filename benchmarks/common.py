@@ -1,0 +1,71 @@
+"""Helpers shared by the benchmark scripts: timing, FLOP counts, peak memory."""
+
+import gc
+import os
+import time
+
+import torch
+
+
+def time_call(fn, min_time=0.5, warmup=1):
+    """Median seconds per call over enough repetitions to fill ~min_time."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    start = time.perf_counter()
+    while time.perf_counter() - start < min_time or len(samples) < 3:
+        t = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t)
+    samples.sort()
+    return samples[len(samples) // 2]
+
+
+def attention_flops(B, H, L, S, E, causal):
+    """FlashAttention's convention: 4·B·H·L·S·E for the forward, halved when causal."""
+    flops = 4 * B * H * L * S * E
+    return flops / 2 if causal else flops
+
+
+def peak_rss_bytes():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def reset_peak_rss():
+    # Linux: writing 5 to clear_refs resets the peak RSS (VmHWM) to the current RSS.
+    with open(f"/proc/{os.getpid()}/clear_refs", "w") as f:
+        f.write("5")
+
+
+def current_rss_bytes():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def peak_extra_memory(fn, output_bytes):
+    """Peak resident memory a call adds beyond its output (bytes)."""
+    gc.collect()
+    reset_peak_rss()
+    before = current_rss_bytes()
+    out = fn()
+    peak = peak_rss_bytes()
+    del out
+    return peak - before - output_bytes
+
+
+def unfused_attention(q, k, v, attn_mask=None, is_causal=False):
+    """The textbook implementation: materialises the L×S scores."""
+    scores = (q @ k.transpose(-2, -1)) * (q.size(-1) ** -0.5)
+    if is_causal:
+        L, S = q.size(-2), k.size(-2)
+        scores = scores.masked_fill(~torch.ones(L, S, dtype=torch.bool).tril(), float("-inf"))
+    if attn_mask is not None:
+        scores = scores + attn_mask
+    return torch.softmax(scores, dim=-1) @ v

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Runs every test of fusedmha: builds the library, the Python extension (in
+# place, into python/fusedmha/) and the GoogleTest suite with CMake, then runs
+# ctest and pytest against that build.
+#
+#   bash tests/run.sh [pytest args]
+#
+# Installs what is missing first (tests/install_deps.sh).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$(pwd)
+bash tests/install_deps.sh
+build="${FUSEDMHA_TEST_BUILD_DIR:-$root/build/tests}"
+python=${PYTHON:-python3}
+prefix=$("$python" -c "import torch.utils; print(torch.utils.cmake_prefix_path)")
+
+cmake -S . -B "$build" -G Ninja \
+  -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_PREFIX_PATH="$prefix" \
+  -DPython_EXECUTABLE="$(command -v "$python")" \
+  -DFUSEDMHA_BUILD_TESTS=ON \
+  -DFUSEDMHA_BUILD_PYTHON=ON \
+  -DFUSEDMHA_PYTHON_OUTPUT_DIR="$root/python/fusedmha"
+cmake --build "$build" --parallel "${MAX_JOBS:-$(nproc)}"
+
+echo "== C++ tests (ctest) =="
+ctest --test-dir "$build" --output-on-failure
+
+echo "== Python tests (pytest) =="
+PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}" "$python" -m pytest tests/python -q -p no:cacheprovider "$@"
