@@ -69,3 +69,19 @@ def unfused_attention(q, k, v, attn_mask=None, is_causal=False):
     if attn_mask is not None:
         scores = scores + attn_mask
     return torch.softmax(scores, dim=-1) @ v
+
+
+def time_interleaved(fns, min_time=0.5, warmup=1):
+    """Median seconds per call of each function, measured in alternation (one call of each
+    per round) so that a slow spell of a shared machine hits all of them alike."""
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    samples = [[] for _ in fns]
+    start = time.perf_counter()
+    while time.perf_counter() - start < min_time * len(fns) or len(samples[0]) < 3:
+        for fn, s in zip(fns, samples):
+            t = time.perf_counter()
+            fn()
+            s.append(time.perf_counter() - t)
+    return [sorted(s)[len(s) // 2] for s in samples]

@@ -134,6 +134,8 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(const at::Tensor& query
   p.out_row_stride = out.stride(-2);
   p.lse = lse.mutable_data_ptr();
 
+  p.num_threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+
   const IsaKernels kernels = kernels_for(selected_isa());
   const size_t workspace_bytes = kernels.configure(p);
   const int64_t n_items = num_work_items(p);
@@ -143,7 +145,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(const at::Tensor& query
   // first (the last query blocks of a causal row see the most keys), so the
   // threads finish together even when items differ in cost.
   std::atomic<int64_t> next{0};
-  const int64_t n_threads = std::min<int64_t>(at::get_num_threads(), n_items);
+  const int64_t n_threads = std::min<int64_t>(p.num_threads, n_items);
   at::parallel_for(0, n_threads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       std::vector<unsigned char> workspace(workspace_bytes);

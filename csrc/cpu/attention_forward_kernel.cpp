@@ -1,11 +1,17 @@
 // Fused attention forward on the CPU, compiled once per ISA level.
 //
 // One work item = one (batch·head, block of query rows). For each block of
-// keys it computes the scores S = (scale·Q)·Kᵀ with a register-blocked
-// micro-kernel, folds them into a running (max, sum) per row (online
-// softmax), and accumulates P·V into an fp32 (fp64 for double) accumulator
-// that is normalised once at the end. Extra memory is a few tiles per
-// thread; nothing of size L×S exists.
+// keys it computes the transposed scores Sᵀ = K·(scale·Q)ᵀ (keys × queries)
+// with register-blocked micro-kernels, folds them into a running max and
+// sum per query (online softmax) and accumulates P·V into an fp32 (fp64 for
+// double) accumulator that is normalised once at the end.
+//
+// Why Sᵀ: queries are the vector lanes, so
+//  - the max/exp/sum passes of the softmax are plain vertical vector
+//    operations (no horizontal reductions per row),
+//  - K and V are read in place, row by row, through their strides (only Q is
+//    repacked, once per item; half-precision K/V tiles are widened to fp32).
+// Extra memory is a few tiles per thread; nothing of size L×S exists.
 //
 // This file sees only the params struct and ATen's header-only Vectorized:
 // no tensors, no allocation, no threading (the host wrapper does those).
@@ -35,154 +41,154 @@ constexpr int64_t kMicroRows = 6;   // 12 of 16 ymm registers accumulate
 #else
 constexpr int64_t kMicroRows = 4;
 #endif
-constexpr int64_t kBlockQ = kMicroRows * 12;
-constexpr int64_t kBlockKV = 256;
-
-template <typename acc_t>
-constexpr int64_t panel_width() {
-  return 2 * Vectorized<acc_t>::size();
-}
+constexpr int64_t kMaxBlockQ = 128;
+constexpr int64_t kBlockKV = 128;
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+inline int64_t div_up(int64_t x, int64_t m) { return (x + m - 1) / m; }
 
 template <typename scalar_t> struct AccType { using type = float; };
 template <> struct AccType<double> { using type = double; };
 
-// Scratch layout of one thread, in acc_t elements.
+// Two vectors: the column width of the micro-kernels, and the granule in
+// which query blocks and value dims are padded.
+template <typename acc_t>
+constexpr int64_t panel_width() { return 2 * Vectorized<acc_t>::size(); }
+
+template <typename acc_t>
+constexpr acc_t neg_inf() { return -std::numeric_limits<acc_t>::infinity(); }
+
+// c[M × 2 vectors] (+)= a[M × n] · b[n × 2 vectors], b's row t at b + t·b_step.
+// The a operand comes two ways, both read in place:
+//  - kRowsOfA: row i of a is a + i·lda (Sᵀ = K·Qᵀ: a = rows of K)
+//  - otherwise a is given by its columns: element (i, t) at a[t·lda + i]
+//    (O += P·V with P held as Pᵀ).
+template <typename acc_t, int64_t M, bool kRowsOfA, bool kAccumulate>
+inline void microkernel(const acc_t* a, int64_t lda, const acc_t* b, int64_t b_step, int64_t n,
+                        acc_t* c, int64_t ldc) {
+  using Vec = Vectorized<acc_t>;
+  constexpr int64_t w = Vec::size();
+  Vec c0[M], c1[M];
+#pragma GCC unroll 16
+  for (int64_t i = 0; i < M; ++i) {
+    c0[i] = kAccumulate ? Vec::loadu(c + i * ldc) : Vec(acc_t(0));
+    c1[i] = kAccumulate ? Vec::loadu(c + i * ldc + w) : Vec(acc_t(0));
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    const Vec b0 = Vec::loadu(b + t * b_step);
+    const Vec b1 = Vec::loadu(b + t * b_step + w);
+#pragma GCC unroll 16
+    for (int64_t i = 0; i < M; ++i) {
+      const Vec x(kRowsOfA ? a[i * lda + t] : a[t * lda + i]);
+      c0[i] = at::vec::fmadd(x, b0, c0[i]);
+      c1[i] = at::vec::fmadd(x, b1, c1[i]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int64_t i = 0; i < M; ++i) {
+    c0[i].store(c + i * ldc);
+    c1[i].store(c + i * ldc + w);
+  }
+}
+
+// The same for any row count m <= kMicroRows (the tail of a block).
+template <typename acc_t, bool kRowsOfA, bool kAccumulate, int64_t M = kMicroRows>
+inline void microkernel_rows(int64_t m, const acc_t* a, int64_t lda, const acc_t* b,
+                             int64_t b_step, int64_t n, acc_t* c, int64_t ldc) {
+  if constexpr (M > 0) {
+    if (m == M) return microkernel<acc_t, M, kRowsOfA, kAccumulate>(a, lda, b, b_step, n, c, ldc);
+    return microkernel_rows<acc_t, kRowsOfA, kAccumulate, M - 1>(m, a, lda, b, b_step, n, c, ldc);
+  }
+}
+
+// Scratch of one thread, in acc_t elements.
 template <typename acc_t>
 struct Workspace {
-  int64_t rows, kv, dqk, dv;  // padded sizes
-  acc_t* q;      // rows × dqk          scaled query block
-  acc_t* k;      // kv × dqk            key block in column panels (Kᵀ)
-  acc_t* v;      // kv × dv             value block in column panels
-  acc_t* s;      // rows × kv           scores, then probabilities
-  acc_t* o;      // rows × dv           unnormalised output
-  acc_t* m;      // rows                running max
-  acc_t* l;      // rows                running sum
+  int64_t bq, bkv, dqk, dv;  // padded sizes
+  acc_t* qt;     // bq × dqk    scaled Qᵀ in panels of nr queries
+  acc_t* st;     // bkv × bq    scores, then probabilities, transposed
+  acc_t* o;      // bq × dv     unnormalised output
+  acc_t* k;      // bkv × dqk   widened key block (half-precision inputs)
+  acc_t* v;      // bkv × dv    widened/padded value block (when not read in place)
+  acc_t* m;      // bq   running max
+  acc_t* l;      // bq   running sum
+  acc_t* alpha;  // bq   rescale factor of the current step
 
-  Workspace(const ForwardParams& p, void* base) {
+  // Lays the arrays out from base, or only counts them when base is null;
+  // returns the number of elements.
+  int64_t carve(const ForwardParams& p, acc_t* base) {
     constexpr int64_t nr = panel_width<acc_t>();
-    rows = round_up(p.block_q, kMicroRows);
-    kv = round_up(p.block_kv, nr);
+    bq = p.block_q;
+    bkv = p.block_kv;
     dqk = p.dim_qk;
     dv = round_up(p.dim_v, nr);
-    acc_t* at = static_cast<acc_t*>(base);
-    q = at; at += rows * dqk;
-    k = at; at += kv * dqk;
-    v = at; at += kv * dv;
-    s = at; at += rows * kv;
-    o = at; at += rows * dv;
-    m = at; at += rows;
-    l = at; at += rows;
-  }
-  static size_t bytes(const ForwardParams& p) {
-    constexpr int64_t nr = panel_width<acc_t>();
-    const int64_t rows = round_up(p.block_q, kMicroRows);
-    const int64_t kv = round_up(p.block_kv, nr);
-    const int64_t dv = round_up(p.dim_v, nr);
-    return sizeof(acc_t) *
-           (rows * p.dim_qk + kv * p.dim_qk + kv * dv + rows * kv + rows * dv + 2 * rows);
+    int64_t n = 0;
+    auto take = [&](int64_t count) {
+      acc_t* at = base ? base + n : nullptr;
+      n += round_up(count, 16);  // each array starts on a 64-byte boundary
+      return at;
+    };
+    qt = take(bq * dqk);
+    st = take(bkv * bq);
+    o = take(bq * dv);
+    k = take(bkv * dqk);
+    v = take(bkv * dv);
+    m = take(bq);
+    l = take(bq);
+    alpha = take(bq);
+    return n;
   }
 };
-
-// s[kMicroRows × nr] = q[kMicroRows × d] · panel[d × nr]
-template <typename acc_t>
-inline void scores_microkernel(const acc_t* q, int64_t ldq, const acc_t* panel,
-                               int64_t d, acc_t* s, int64_t lds) {
-  using Vec = Vectorized<acc_t>;
-  constexpr int64_t w = Vec::size();
-  Vec c0[kMicroRows], c1[kMicroRows];
-#pragma GCC unroll 16
-  for (int64_t i = 0; i < kMicroRows; ++i) {
-    c0[i] = Vec(acc_t(0));
-    c1[i] = Vec(acc_t(0));
-  }
-  for (int64_t e = 0; e < d; ++e) {
-    const Vec b0 = Vec::loadu(panel + e * 2 * w);
-    const Vec b1 = Vec::loadu(panel + e * 2 * w + w);
-#pragma GCC unroll 16
-    for (int64_t i = 0; i < kMicroRows; ++i) {
-      const Vec a(q[i * ldq + e]);
-      c0[i] = at::vec::fmadd(a, b0, c0[i]);
-      c1[i] = at::vec::fmadd(a, b1, c1[i]);
-    }
-  }
-#pragma GCC unroll 16
-  for (int64_t i = 0; i < kMicroRows; ++i) {
-    c0[i].store(s + i * lds);
-    c1[i].store(s + i * lds + w);
-  }
-}
-
-// o[kMicroRows × nr] += p[kMicroRows × n] · panel[n × nr]
-template <typename acc_t>
-inline void pv_microkernel(const acc_t* p, int64_t ldp, const acc_t* panel,
-                           int64_t n, acc_t* o, int64_t ldo) {
-  using Vec = Vectorized<acc_t>;
-  constexpr int64_t w = Vec::size();
-  Vec c0[kMicroRows], c1[kMicroRows];
-#pragma GCC unroll 16
-  for (int64_t i = 0; i < kMicroRows; ++i) {
-    c0[i] = Vec::loadu(o + i * ldo);
-    c1[i] = Vec::loadu(o + i * ldo + w);
-  }
-  for (int64_t c = 0; c < n; ++c) {
-    const Vec b0 = Vec::loadu(panel + c * 2 * w);
-    const Vec b1 = Vec::loadu(panel + c * 2 * w + w);
-#pragma GCC unroll 16
-    for (int64_t i = 0; i < kMicroRows; ++i) {
-      const Vec a(p[i * ldp + c]);
-      c0[i] = at::vec::fmadd(a, b0, c0[i]);
-      c1[i] = at::vec::fmadd(a, b1, c1[i]);
-    }
-  }
-#pragma GCC unroll 16
-  for (int64_t i = 0; i < kMicroRows; ++i) {
-    c0[i].store(o + i * ldo);
-    c1[i].store(o + i * ldo + w);
-  }
-}
 
 template <typename scalar_t, typename acc_t>
 class ForwardKernel {
  public:
   using Vec = Vectorized<acc_t>;
   static constexpr int64_t nr = panel_width<acc_t>();
+  static constexpr int64_t w = Vec::size();
 
-  ForwardKernel(const ForwardParams& p, void* workspace) : p_(p), ws_(p, workspace) {}
+  ForwardKernel(const ForwardParams& p, void* workspace) : p_(p) {
+    ws_.carve(p, static_cast<acc_t*>(workspace));
+  }
 
   void run(int64_t item) {
     const int64_t nqb = num_query_blocks(p_);
     const int64_t o = item / nqb;
     const int64_t q0 = (item % nqb) * p_.block_q;
     const int64_t rows = std::min(p_.block_q, p_.len_q - q0);
-    const int64_t rows_padded = round_up(rows, kMicroRows);
+    const int64_t bq = round_up(rows, nr);  // queries in vector lanes, padded
 
-    pack_query(o, q0, rows, rows_padded);
-    std::fill(ws_.o, ws_.o + rows_padded * ws_.dv, acc_t(0));
-    std::fill(ws_.m, ws_.m + rows, -std::numeric_limits<acc_t>::infinity());
-    std::fill(ws_.l, ws_.l + rows, acc_t(0));
+    pack_query(o, q0, rows, bq);
+    std::fill(ws_.o, ws_.o + rows * ws_.dv, acc_t(0));
+    std::fill(ws_.m, ws_.m + bq, neg_inf<acc_t>());
+    std::fill(ws_.l, ws_.l + bq, acc_t(0));
 
-    // Causal (top-left): row i sees keys 0..i, so this block needs keys
-    // below q0 + rows; blocks entirely above the diagonal are never visited.
+    // Causal (top-left): query i sees keys 0..i, so this block needs keys
+    // below q0 + rows; key blocks entirely above the diagonal are skipped.
     const int64_t kv_end = p_.is_causal ? std::min(p_.len_kv, q0 + rows) : p_.len_kv;
     for (int64_t k0 = 0; k0 < kv_end; k0 += p_.block_kv) {
       const int64_t cols = std::min(p_.block_kv, kv_end - k0);
-      pack_key(o, k0, cols);
-      pack_value(o, k0, cols);
-      for (int64_t r = 0; r < rows_padded; r += kMicroRows) {
-        for (int64_t c = 0; c < cols; c += nr) {
-          scores_microkernel(ws_.q + r * ws_.dqk, ws_.dqk, ws_.k + c * ws_.dqk, ws_.dqk,
-                             ws_.s + r * ws_.kv + c, ws_.kv);
+      const acc_t* k = key_rows(o, k0, cols);
+      const int64_t ldk = key_row_stride();
+      for (int64_t j = 0; j < cols; j += kMicroRows) {
+        for (int64_t c = 0; c < bq; c += nr) {
+          microkernel_rows<acc_t, /*kRowsOfA=*/true, /*kAccumulate=*/false>(
+              std::min(kMicroRows, cols - j), k + j * ldk, ldk, ws_.qt + c * ws_.dqk, nr,
+              ws_.dqk, ws_.st + j * bq + c, bq);
         }
       }
-      for (int64_t r = 0; r < rows; ++r) {
-        softmax_step(o, q0 + r, k0, cols, r);
-      }
-      for (int64_t r = 0; r < rows_padded; r += kMicroRows) {
-        for (int64_t c = 0; c < ws_.dv; c += nr) {
-          pv_microkernel(ws_.s + r * ws_.kv, ws_.kv, ws_.v + c * ws_.kv, cols,
-                         ws_.o + r * ws_.dv + c, ws_.dv);
+      apply_masks(o, q0, rows, bq, k0, cols);
+      softmax_step(bq, cols);
+      rescale_output(rows);
+      const acc_t* v = value_rows(o, k0, cols);
+      const int64_t ldv = value_row_stride();
+      // Value panels outermost: one panel of the value block stays in L1
+      // while every query of the block accumulates from it.
+      for (int64_t e = 0; e < ws_.dv; e += nr) {
+        for (int64_t i = 0; i < rows; i += kMicroRows) {
+          microkernel_rows<acc_t, /*kRowsOfA=*/false, /*kAccumulate=*/true>(
+              std::min(kMicroRows, rows - i), ws_.st + i, bq, v + e, ldv, cols,
+              ws_.o + i * ws_.dv + e, ws_.dv);
         }
       }
     }
@@ -194,159 +200,165 @@ class ForwardKernel {
     return static_cast<const scalar_t*>(t.data) + t.offsets[o] + i * t.row_stride;
   }
 
-  void pack_query(int64_t o, int64_t q0, int64_t rows, int64_t rows_padded) {
+  // Qᵀ in panels of nr queries: (query i, dim e) at [(i/nr)·dqk + e]·nr + i%nr.
+  void pack_query(int64_t o, int64_t q0, int64_t rows, int64_t bq) {
     const acc_t scale = static_cast<acc_t>(p_.scale);
-    for (int64_t r = 0; r < rows; ++r) {
-      const scalar_t* src = row_ptr(p_.q, o, q0 + r);
-      acc_t* dst = ws_.q + r * ws_.dqk;
-      for (int64_t e = 0; e < p_.dim_qk; ++e) dst[e] = static_cast<acc_t>(src[e]) * scale;
-    }
-    std::fill(ws_.q + rows * ws_.dqk, ws_.q + rows_padded * ws_.dqk, acc_t(0));
-  }
-
-  // Kᵀ in panels of nr keys: element (key c, dim e) at [(c/nr)·dqk + e]·nr + c%nr.
-  void pack_key(int64_t o, int64_t k0, int64_t cols) {
-    const int64_t cols_padded = round_up(cols, nr);
-    for (int64_t c = 0; c < cols_padded; ++c) {
-      acc_t* dst = ws_.k + (c / nr) * ws_.dqk * nr + c % nr;
-      if (c < cols) {
-        const scalar_t* src = row_ptr(p_.k, o, k0 + c);
-        for (int64_t e = 0; e < p_.dim_qk; ++e) dst[e * nr] = static_cast<acc_t>(src[e]);
+    for (int64_t i = 0; i < bq; ++i) {
+      acc_t* dst = ws_.qt + (i / nr) * ws_.dqk * nr + i % nr;
+      if (i < rows) {
+        const scalar_t* src = row_ptr(p_.q, o, q0 + i);
+        for (int64_t e = 0; e < ws_.dqk; ++e) dst[e * nr] = static_cast<acc_t>(src[e]) * scale;
       } else {
-        for (int64_t e = 0; e < p_.dim_qk; ++e) dst[e * nr] = acc_t(0);
+        for (int64_t e = 0; e < ws_.dqk; ++e) dst[e * nr] = acc_t(0);
       }
     }
   }
 
-  // V in panels of nr value dims: element (key c, dim e) at [(e/nr)·kv + c]·nr + e%nr.
-  void pack_value(int64_t o, int64_t k0, int64_t cols) {
-    for (int64_t c = 0; c < cols; ++c) {
-      const scalar_t* src = row_ptr(p_.v, o, k0 + c);
-      for (int64_t e0 = 0; e0 < ws_.dv; e0 += nr) {
-        acc_t* dst = ws_.v + ((e0 / nr) * ws_.kv + c) * nr;
-        const int64_t n = std::min(nr, p_.dim_v - e0);
-        for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<acc_t>(src[e0 + j]);
-        for (int64_t j = std::max<int64_t>(n, 0); j < nr; ++j) dst[j] = acc_t(0);
-      }
-    }
-  }
-
-  // Masks row r (query i) of the score block, folds it into the running
-  // max/sum and turns it into probabilities relative to the new max.
-  void softmax_step(int64_t o, int64_t i, int64_t k0, int64_t cols, int64_t r) {
-    constexpr acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
-    acc_t* s = ws_.s + r * ws_.kv;
-    const int64_t valid = p_.is_causal ? std::clamp<int64_t>(i + 1 - k0, 0, cols) : cols;
-    apply_mask(o, i, k0, valid, s);
-
-    const acc_t m_old = ws_.m[r];
-    const acc_t m_new = std::max(m_old, row_max(s, valid));
-    if (m_new == neg_inf) {  // nothing to attend to yet: contributes nothing
-      std::fill(s, s + cols, acc_t(0));
-      return;
-    }
-    const acc_t sum = exp_and_sum(s, valid, m_new);
-    std::fill(s + valid, s + cols, acc_t(0));
-    const acc_t alpha = std::exp(m_old - m_new);  // 0 when m_old = -inf
-    ws_.l[r] = ws_.l[r] * alpha + sum;
-    ws_.m[r] = m_new;
-    if (alpha != acc_t(1)) {
-      acc_t* acc = ws_.o + r * ws_.dv;
-      const Vec va(alpha);
-      for (int64_t e = 0; e < ws_.dv; e += Vec::size()) (Vec::loadu(acc + e) * va).store(acc + e);
-    }
-  }
-
-  void apply_mask(int64_t o, int64_t i, int64_t k0, int64_t n, acc_t* s) const {
-    const MatrixView& mk = p_.mask;
-    const int64_t offset = mk.offsets == nullptr ? 0 : mk.offsets[o] + i * mk.row_stride + k0 * mk.col_stride;
-    switch (p_.mask_kind) {
-      case MaskKind::None:
-        return;
-      case MaskKind::Bool:
-        return mask_bool(static_cast<const bool*>(mk.data) + offset, mk.col_stride, n, s);
-      case MaskKind::Additive:
-        return mask_add(static_cast<const scalar_t*>(mk.data) + offset, mk.col_stride, n, s);
-      case MaskKind::AdditiveFloat32:
-        return mask_add(static_cast<const float*>(mk.data) + offset, mk.col_stride, n, s);
-    }
-  }
-
-  // The branches on cs == 1 let the compiler vectorise the common case.
-  static void mask_bool(const bool* m, int64_t cs, int64_t n, acc_t* s) {
-    constexpr acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
-    if (cs == 1) {
-      for (int64_t c = 0; c < n; ++c) s[c] = m[c] ? s[c] : neg_inf;
+  // fp32/fp64 keys are read in place; half-precision ones are widened.
+  static constexpr bool kReadKeysInPlace = std::is_same_v<scalar_t, acc_t>;
+  int64_t key_row_stride() const { return kReadKeysInPlace ? p_.k.row_stride : ws_.dqk; }
+  const acc_t* key_rows(int64_t o, int64_t k0, int64_t cols) {
+    if constexpr (kReadKeysInPlace) {
+      return row_ptr(p_.k, o, k0);
     } else {
-      for (int64_t c = 0; c < n; ++c) s[c] = m[c * cs] ? s[c] : neg_inf;
+      for (int64_t j = 0; j < cols; ++j) {
+        const scalar_t* src = row_ptr(p_.k, o, k0 + j);
+        acc_t* dst = ws_.k + j * ws_.dqk;
+        for (int64_t e = 0; e < ws_.dqk; ++e) dst[e] = static_cast<acc_t>(src[e]);
+      }
+      return ws_.k;
     }
   }
+
+  // Values are read in place when their rows fill whole panels; otherwise
+  // (half precision, or Ev not a multiple of the panel) widened and padded.
+  bool values_in_place() const {
+    return std::is_same_v<scalar_t, acc_t> && p_.dim_v % nr == 0;
+  }
+  int64_t value_row_stride() const { return values_in_place() ? p_.v.row_stride : ws_.dv; }
+  const acc_t* value_rows(int64_t o, int64_t k0, int64_t cols) {
+    if (values_in_place()) return reinterpret_cast<const acc_t*>(row_ptr(p_.v, o, k0));
+    for (int64_t j = 0; j < cols; ++j) {
+      const scalar_t* src = row_ptr(p_.v, o, k0 + j);
+      acc_t* dst = ws_.v + j * ws_.dv;
+      for (int64_t e = 0; e < p_.dim_v; ++e) dst[e] = static_cast<acc_t>(src[e]);
+      std::fill(dst + p_.dim_v, dst + ws_.dv, acc_t(0));
+    }
+    return ws_.v;
+  }
+
+  // Causal and explicit masks on the transposed scores (row j = key k0 + j).
+  void apply_masks(int64_t o, int64_t q0, int64_t rows, int64_t bq, int64_t k0, int64_t cols) {
+    if (p_.is_causal && k0 + cols - 1 > q0) {
+      for (int64_t j = 0; j < cols; ++j) {
+        // Key k0 + j is hidden from queries q0 + i with i < k0 + j - q0.
+        const int64_t hidden = std::clamp<int64_t>(k0 + j - q0, 0, rows);
+        std::fill(ws_.st + j * bq, ws_.st + j * bq + hidden, neg_inf<acc_t>());
+      }
+    }
+    switch (p_.mask_kind) {
+      case MaskKind::None: return;
+      case MaskKind::Bool: return apply_mask<bool>(o, q0, rows, bq, k0, cols);
+      case MaskKind::Additive: return apply_mask<scalar_t>(o, q0, rows, bq, k0, cols);
+      case MaskKind::AdditiveFloat32: return apply_mask<float>(o, q0, rows, bq, k0, cols);
+    }
+  }
+
+  static void mask_one(acc_t& s, bool allowed) { s = allowed ? s : neg_inf<acc_t>(); }
+  template <typename mask_t>
+  static void mask_one(acc_t& s, mask_t add) { s += static_cast<acc_t>(add); }
 
   template <typename mask_t>
-  static void mask_add(const mask_t* m, int64_t cs, int64_t n, acc_t* s) {
-    if (cs == 1) {
-      for (int64_t c = 0; c < n; ++c) s[c] += static_cast<acc_t>(m[c]);
-    } else {
-      for (int64_t c = 0; c < n; ++c) s[c] += static_cast<acc_t>(m[c * cs]);
-    }
-  }
-
-  struct Max { acc_t operator()(acc_t a, acc_t b) const { return std::max(a, b); } };
-  struct Sum { acc_t operator()(acc_t a, acc_t b) const { return a + b; } };
-  template <typename Op>
-  static acc_t horizontal(const Vec& v) {
-    acc_t lanes[Vec::size()];
-    v.store(lanes);
-    acc_t r = lanes[0];
-    for (int64_t j = 1; j < Vec::size(); ++j) r = Op()(r, lanes[j]);
-    return r;
-  }
-
-  static acc_t row_max(const acc_t* s, int64_t n) {
-    acc_t result = -std::numeric_limits<acc_t>::infinity();
-    int64_t c = 0;
-    if (n >= Vec::size()) {
-      Vec vmax = Vec::loadu(s);
-      for (c = Vec::size(); c + Vec::size() <= n; c += Vec::size()) {
-        vmax = at::vec::maximum(vmax, Vec::loadu(s + c));
+  void apply_mask(int64_t o, int64_t q0, int64_t rows, int64_t bq, int64_t k0, int64_t cols) {
+    const MatrixView& mk = p_.mask;
+    const mask_t* base = static_cast<const mask_t*>(mk.data) + mk.offsets[o] + k0 * mk.col_stride;
+    if (mk.row_stride == 0) {
+      // The same mask row for every query (a key padding mask): one value
+      // per key row of Sᵀ.
+      for (int64_t j = 0; j < cols; ++j) {
+        const mask_t m = base[j * mk.col_stride];
+        acc_t* s = ws_.st + j * bq;
+        for (int64_t i = 0; i < rows; ++i) mask_one(s[i], m);
       }
-      result = horizontal<Max>(vmax);
+      return;
     }
-    for (; c < n; ++c) result = std::max(result, s[c]);
-    return result;
+    // A general mask is transposed onto Sᵀ a vector of queries at a time:
+    // each key row of Sᵀ then takes one cache line of writes, while the
+    // mask is read along w rows in step.
+    for (int64_t i0 = 0; i0 < rows; i0 += w) {
+      const int64_t n = std::min(w, rows - i0);
+      const mask_t* m[w];
+      for (int64_t i = 0; i < n; ++i) m[i] = base + (q0 + i0 + i) * mk.row_stride;
+      for (int64_t j = 0; j < cols; ++j) {
+        acc_t* s = ws_.st + j * bq + i0;
+        const int64_t at = j * mk.col_stride;
+        for (int64_t i = 0; i < n; ++i) mask_one(s[i], m[i][at]);
+      }
+    }
   }
 
-  // s[c] = exp(s[c] - max) for c < n; returns their sum.
-  static acc_t exp_and_sum(acc_t* s, int64_t n, acc_t max) {
-    const Vec vmax(max);
-    Vec vsum(acc_t(0));
-    int64_t c = 0;
-    for (; c + Vec::size() <= n; c += Vec::size()) {
-      const Vec e = (Vec::loadu(s + c) - vmax).exp_u20();
-      e.store(s + c);
-      vsum = vsum + e;
+  // Folds the block's scores into the running max/sum of each query and
+  // turns them into probabilities relative to the new max; alpha[i] is the
+  // factor the output accumulated so far must be rescaled by.
+  void softmax_step(int64_t bq, int64_t cols) {
+    const Vec vneg_inf(neg_inf<acc_t>());
+    for (int64_t c = 0; c < bq; c += w) {
+      Vec vmax = Vec::loadu(ws_.m + c);
+      const Vec m_old = vmax;
+      for (int64_t j = 0; j < cols; ++j) vmax = at::vec::maximum(vmax, Vec::loadu(ws_.st + j * bq + c));
+      // A query that has seen no attendable key yet keeps max -inf; subtract
+      // 0 instead so that exp gives 0 rather than NaN.
+      const Vec m_use = Vec::blendv(vmax, Vec(acc_t(0)), vmax == vneg_inf);
+      Vec sum(acc_t(0));
+      for (int64_t j = 0; j < cols; ++j) {
+        acc_t* s = ws_.st + j * bq + c;
+        const Vec e = (Vec::loadu(s) - m_use).exp_u20();
+        e.store(s);
+        sum = sum + e;
+      }
+      const Vec alpha = (m_old - m_use).exp_u20();
+      (Vec::loadu(ws_.l + c) * alpha + sum).store(ws_.l + c);
+      vmax.store(ws_.m + c);
+      alpha.store(ws_.alpha + c);
     }
-    acc_t sum = horizontal<Sum>(vsum);
-    for (; c < n; ++c) {
-      s[c] = std::exp(s[c] - max);
-      sum += s[c];
+  }
+
+  void rescale_output(int64_t rows) {
+    for (int64_t i = 0; i < rows; ++i) {
+      const acc_t a = ws_.alpha[i];
+      if (a == acc_t(1)) continue;
+      acc_t* acc = ws_.o + i * ws_.dv;
+      const Vec va(a);
+      for (int64_t e = 0; e < ws_.dv; e += w) (Vec::loadu(acc + e) * va).store(acc + e);
     }
-    return sum;
   }
 
   void write_output(int64_t o, int64_t q0, int64_t rows) {
     scalar_t* out = static_cast<scalar_t*>(p_.out) + p_.out_offsets[o];
     acc_t* lse = static_cast<acc_t*>(p_.lse) + o * p_.len_q;
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t i = q0 + r;
-      const acc_t l = ws_.l[r];
-      // A row with no key to attend to: output 0 and lse +inf, so that
-      // exp(score - lse) is 0 for every key in the backward.
-      const acc_t inv = l > acc_t(0) ? acc_t(1) / l : acc_t(0);
-      const acc_t* acc = ws_.o + r * ws_.dv;
-      scalar_t* dst = out + i * p_.out_row_stride;
+    constexpr acc_t inf = std::numeric_limits<acc_t>::infinity();
+    constexpr acc_t nan = std::numeric_limits<acc_t>::quiet_NaN();
+    for (int64_t i = 0; i < rows; ++i) {
+      const acc_t m = ws_.m[i], l = ws_.l[i];
+      acc_t inv, row_lse;
+      if (std::isnan(m) || m == inf) {
+        // A NaN or +inf score makes the whole softmax row NaN, as in exact
+        // arithmetic (the fast exp would otherwise hide it).
+        inv = nan;
+        row_lse = nan;
+      } else if (l > acc_t(0)) {
+        inv = acc_t(1) / l;
+        row_lse = m + std::log(l);
+      } else {
+        // No key to attend to: output 0 and lse +inf, so that
+        // exp(score - lse) is 0 for every key in the backward.
+        inv = acc_t(0);
+        row_lse = inf;
+      }
+      const acc_t* acc = ws_.o + i * ws_.dv;
+      scalar_t* dst = out + (q0 + i) * p_.out_row_stride;
       for (int64_t e = 0; e < p_.dim_v; ++e) dst[e] = static_cast<scalar_t>(acc[e] * inv);
-      lse[i] = l > acc_t(0) ? ws_.m[r] + std::log(l) : std::numeric_limits<acc_t>::infinity();
+      lse[q0 + i] = row_lse;
     }
   }
 
@@ -360,14 +372,24 @@ void run_items(const ForwardParams& p, int64_t begin, int64_t end, void* workspa
   for (int64_t item = begin; item < end; ++item) kernel.run(item);
 }
 
+template <typename acc_t>
+size_t configure(ForwardParams& p) {
+  constexpr int64_t nr = panel_width<acc_t>();
+  // Query blocks as large as kMaxBlockQ, but small enough that every thread
+  // gets a few items (short sequences, batch 1).
+  const int64_t lq = std::max<int64_t>(p.len_q, 1);
+  const int64_t wanted_items = 4 * std::max<int64_t>(p.num_threads, 1);
+  const int64_t blocks_per_row = div_up(wanted_items, std::max<int64_t>(p.outer, 1));
+  p.block_q = std::clamp(round_up(div_up(lq, blocks_per_row), nr), nr, kMaxBlockQ);
+  p.block_q = std::min(p.block_q, round_up(lq, nr));
+  p.block_kv = std::min(kBlockKV, std::max<int64_t>(p.len_kv, 1));
+  return sizeof(acc_t) * Workspace<acc_t>().carve(p, nullptr);
+}
+
 }  // namespace
 
 size_t forward_configure(ForwardParams& p) {
-  // Short sequences get fewer query rows per item (less padding, more items
-  // for the threads); the row count stays a multiple of the micro-kernel's.
-  p.block_q = std::min(kBlockQ, round_up(std::max<int64_t>(p.len_q, 1), kMicroRows));
-  p.block_kv = std::min(kBlockKV, round_up(std::max<int64_t>(p.len_kv, 1), 2 * int64_t(16)));
-  return p.dtype == DType::Float64 ? Workspace<double>::bytes(p) : Workspace<float>::bytes(p);
+  return p.dtype == DType::Float64 ? configure<double>(p) : configure<float>(p);
 }
 
 void forward_items(const ForwardParams& p, int64_t begin, int64_t end, void* workspace) {

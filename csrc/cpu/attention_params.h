@@ -50,8 +50,9 @@ struct ForwardParams {
   int64_t out_row_stride = 0;
   void* lse = nullptr;  // (outer, len_q) row-major, float (double for Float64)
 
-  int64_t block_q = 0;   // query rows per work item (set by forward_configure)
-  int64_t block_kv = 0;  // keys per inner step (set by forward_configure)
+  int64_t num_threads = 1;  // threads sharing the items (for block sizing)
+  int64_t block_q = 0;      // query rows per work item (set by forward_configure)
+  int64_t block_kv = 0;     // keys per inner step (set by forward_configure)
 };
 
 // A work item is one (outer index, block of query rows), numbered

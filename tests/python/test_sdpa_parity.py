@@ -215,3 +215,25 @@ def test_thread_count_does_not_change_result(threads):
     finally:
         torch.set_num_threads(old)
     assert torch.equal(out, sdpa(q, k, v, is_causal=True))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_nan_propagates_like_exact_softmax(dtype):
+    q, k, v = rand(1, 2, 9, 16, dtype=dtype), rand(1, 2, 300, 16, dtype=dtype), rand(1, 2, 300, 16, dtype=dtype)
+    q[0, 0, 3, 5] = float("nan")  # one query row
+    k[0, 1, 200, 0] = float("nan")  # one key: every query of head 1 sees it
+    v[0, 0, 7, 2] = float("nan")  # one value entry: column 2 of head 0
+    out = sdpa(q, k, v)
+    assert out[0, 0, 3].isnan().all()
+    assert out[0, 1].isnan().all()
+    assert out[0, 0, :, 2].isnan().all()
+    rows = [i for i in range(9) if i != 3]
+    assert not out[0, 0, rows][:, [0, 1, 3]].isnan().any()
+
+
+def test_positive_infinite_mask_gives_nan_row():
+    q, k, v = rand(1, 1, 4, 8), rand(1, 1, 6, 8), rand(1, 1, 6, 8)
+    mask = torch.zeros(4, 6)
+    mask[1, 2] = float("inf")
+    out = sdpa(q, k, v, attn_mask=mask)
+    assert out[0, 0, 1].isnan().all() and not out[0, 0, [0, 2, 3]].isnan().any()
