@@ -1,7 +1,7 @@
 """Forward attention on CPU, side by side in one process: fusedmha vs PyTorch's
 F.scaled_dot_product_attention (its fused CPU flash kernel) vs an unfused textbook
-implementation. Prints time, GFLOP/s and the ratios (>1 = fusedmha faster), then the peak
-extra memory of a 16k×16k attention.
+implementation, timed in alternation (median per call). Prints time, GFLOP/s and the ratios
+(>1 = fusedmha faster), then the peak extra memory of a 16k×16k attention.
 
     python benchmarks/bench_sdpa_cpu.py [--quick] [--lengths 256 1024 4096]
 """
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fusedmha  # noqa: E402
-from common import attention_flops, peak_extra_memory, time_call, unfused_attention  # noqa: E402
+from common import attention_flops, peak_extra_memory, time_interleaved, unfused_attention  # noqa: E402
 
 
 def run_speed(lengths, dtypes, B, H, E, min_time):
@@ -32,12 +32,16 @@ def run_speed(lengths, dtypes, B, H, E, min_time):
             mask = torch.randn(L, L, dtype=dtype)
             for variant in ["plain", "causal", "mask"]:
                 kw = {"is_causal": True} if variant == "causal" else {"attn_mask": mask} if variant == "mask" else {}
-                t_f = time_call(lambda: fusedmha.scaled_dot_product_attention(q, k, v, **kw), min_time)
-                t_t = time_call(lambda: F.scaled_dot_product_attention(q, k, v, **kw), min_time)
+                fns = [lambda: fusedmha.scaled_dot_product_attention(q, k, v, **kw),
+                       lambda: F.scaled_dot_product_attention(q, k, v, **kw)]
                 # The unfused version needs B·H·L·S scores; skip it where that is > 2 GiB.
-                if B * H * L * L * q.element_size() <= 2 << 30:
-                    t_u = time_call(lambda: unfused_attention(q, k, v, **kw), min_time)
-                    unfused = f"{t_u * 1e3:11.2f} {t_u / t_f:10.2f}x"
+                with_unfused = B * H * L * L * q.element_size() <= 2 << 30
+                if with_unfused:
+                    fns.append(lambda: unfused_attention(q, k, v, **kw))
+                times = time_interleaved(fns, min_time)
+                t_f, t_t = times[0], times[1]
+                if with_unfused:
+                    unfused = f"{times[2] * 1e3:11.2f} {times[2] / t_f:10.2f}x"
                 else:
                     unfused = f"{'-':>11s} {'-':>11s}"
                 flops = attention_flops(B, H, L, L, E, variant == "causal")

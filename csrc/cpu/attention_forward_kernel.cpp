@@ -110,6 +110,7 @@ struct Workspace {
   acc_t* o;      // bq × dv     unnormalised output
   acc_t* k;      // bkv × dqk   widened key block (half-precision inputs)
   acc_t* v;      // bkv × dv    widened/padded value block (when not read in place)
+  acc_t* mt;     // w × bkv     mask terms of w queries (general masks)
   acc_t* m;      // bq   running max
   acc_t* l;      // bq   running sum
   acc_t* alpha;  // bq   rescale factor of the current step
@@ -133,6 +134,7 @@ struct Workspace {
     o = take(bq * dv);
     k = take(bkv * dqk);
     v = take(bkv * dv);
+    mt = take(Vectorized<acc_t>::size() * round_up(bkv, Vectorized<acc_t>::size()));
     m = take(bq);
     l = take(bq);
     alpha = take(bq);
@@ -264,36 +266,67 @@ class ForwardKernel {
     }
   }
 
-  static void mask_one(acc_t& s, bool allowed) { s = allowed ? s : neg_inf<acc_t>(); }
+  // A mask value as a term added to the score: bool masks add 0 or -inf.
+  static acc_t additive(bool allowed) { return allowed ? acc_t(0) : neg_inf<acc_t>(); }
   template <typename mask_t>
-  static void mask_one(acc_t& s, mask_t add) { s += static_cast<acc_t>(add); }
+  static acc_t additive(mask_t value) { return static_cast<acc_t>(value); }
 
   template <typename mask_t>
   void apply_mask(int64_t o, int64_t q0, int64_t rows, int64_t bq, int64_t k0, int64_t cols) {
     const MatrixView& mk = p_.mask;
-    const mask_t* base = static_cast<const mask_t*>(mk.data) + mk.offsets[o] + k0 * mk.col_stride;
+    const int64_t cs = mk.col_stride;
+    const mask_t* base = static_cast<const mask_t*>(mk.data) + mk.offsets[o] + k0 * cs;
     if (mk.row_stride == 0) {
-      // The same mask row for every query (a key padding mask): one value
+      // The same mask row for every query (a key padding mask): one term
       // per key row of Sᵀ.
       for (int64_t j = 0; j < cols; ++j) {
-        const mask_t m = base[j * mk.col_stride];
+        const Vec term(additive(base[j * cs]));
         acc_t* s = ws_.st + j * bq;
-        for (int64_t i = 0; i < rows; ++i) mask_one(s[i], m);
+        for (int64_t i = 0; i < rows; i += w) (Vec::loadu(s + i) + term).store(s + i);
       }
       return;
     }
-    // A general mask is transposed onto Sᵀ a vector of queries at a time:
-    // each key row of Sᵀ then takes one cache line of writes, while the
-    // mask is read along w rows in step.
+    // A general mask is read along its rows (w queries at a time) into mt as
+    // additive terms, then added onto Sᵀ through w × w transposes.
+    const int64_t ldm = round_up(cols, w);
     for (int64_t i0 = 0; i0 < rows; i0 += w) {
-      const int64_t n = std::min(w, rows - i0);
-      const mask_t* m[w];
-      for (int64_t i = 0; i < n; ++i) m[i] = base + (q0 + i0 + i) * mk.row_stride;
-      for (int64_t j = 0; j < cols; ++j) {
-        acc_t* s = ws_.st + j * bq + i0;
-        const int64_t at = j * mk.col_stride;
-        for (int64_t i = 0; i < n; ++i) mask_one(s[i], m[i][at]);
+      for (int64_t i = 0; i < w; ++i) {
+        acc_t* dst = ws_.mt + i * ldm;
+        int64_t j = 0;
+        if (i0 + i < rows) {
+          const mask_t* m = base + (q0 + i0 + i) * mk.row_stride;
+          if (cs == 1) {
+            for (; j < cols; ++j) dst[j] = additive(m[j]);
+          } else {
+            for (; j < cols; ++j) dst[j] = additive(m[j * cs]);
+          }
+        }
+        std::fill(dst + j, dst + ldm, acc_t(0));
       }
+      acc_t block[w * w];
+      for (int64_t j0 = 0; j0 < cols; j0 += w) {
+        transpose_block(ws_.mt + j0, ldm, block);
+        for (int64_t j = j0; j < std::min(j0 + w, cols); ++j) {
+          acc_t* s = ws_.st + j * bq + i0;
+          (Vec::loadu(s) + Vec::loadu(block + (j - j0) * w)).store(s);
+        }
+      }
+    }
+  }
+
+  // dst[w × w] = transpose of the w × w block at src (leading dim ld).
+  static void transpose_block(const acc_t* src, int64_t ld, acc_t* dst) {
+#if defined(CPU_CAPABILITY_AVX2)
+    if constexpr (std::is_same_v<acc_t, float>) {
+      return at::vec::transpose_mxn<float, 8, 8>(src, ld, dst, w);
+    }
+#elif defined(CPU_CAPABILITY_AVX512)
+    if constexpr (std::is_same_v<acc_t, float>) {
+      return at::vec::transpose_mxn<float>(src, ld, dst, w, 16, 16);
+    }
+#endif
+    for (int64_t i = 0; i < w; ++i) {
+      for (int64_t j = 0; j < w; ++j) dst[j * w + i] = src[i * ld + j];
     }
   }
 
