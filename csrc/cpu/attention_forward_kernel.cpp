@@ -42,7 +42,7 @@ constexpr int64_t kMicroRows = 6;   // 12 of 16 ymm registers accumulate
 constexpr int64_t kMicroRows = 4;
 #endif
 constexpr int64_t kMaxBlockQ = 128;
-constexpr int64_t kBlockKV = 128;
+constexpr int64_t kBlockKV = 64;
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 inline int64_t div_up(int64_t x, int64_t m) { return (x + m - 1) / m; }
