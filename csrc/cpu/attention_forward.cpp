@@ -13,6 +13,8 @@
 #include <torch/library.h>
 
 #include <atomic>
+#include <cstdlib>
+#include <memory>
 #include <vector>
 
 namespace fusedmha::cpu {
@@ -148,10 +150,15 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(const at::Tensor& query
   const int64_t n_threads = std::min<int64_t>(p.num_threads, n_items);
   at::parallel_for(0, n_threads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      std::vector<unsigned char> workspace(workspace_bytes);
+      // Cache-line aligned, so that full-width vector accesses do not
+      // straddle lines.
+      const std::unique_ptr<void, decltype(&std::free)> workspace(
+          std::aligned_alloc(64, (workspace_bytes + 63) / 64 * 64 + 64), &std::free);
+      TORCH_CHECK(workspace != nullptr, "fusedmha: could not allocate ", workspace_bytes,
+                  " bytes of kernel workspace");
       for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) {
         const int64_t item = n_items - 1 - i;
-        kernels.items(p, item, item + 1, workspace.data());
+        kernels.items(p, item, item + 1, workspace.get());
       }
     }
   });

@@ -334,25 +334,38 @@ class ForwardKernel {
   // turns them into probabilities relative to the new max; alpha[i] is the
   // factor the output accumulated so far must be rescaled by.
   void softmax_step(int64_t bq, int64_t cols) {
-    const Vec vneg_inf(neg_inf<acc_t>());
-    for (int64_t c = 0; c < bq; c += w) {
-      Vec vmax = Vec::loadu(ws_.m + c);
-      const Vec m_old = vmax;
-      for (int64_t j = 0; j < cols; ++j) vmax = at::vec::maximum(vmax, Vec::loadu(ws_.st + j * bq + c));
+    // Two vectors of queries at a time: two independent dependency chains,
+    // and each key row of Sᵀ is read as one contiguous panel.
+    const Vec vneg_inf(neg_inf<acc_t>()), zero(acc_t(0));
+    for (int64_t c = 0; c < bq; c += nr) {
+      const Vec m_old0 = Vec::loadu(ws_.m + c), m_old1 = Vec::loadu(ws_.m + c + w);
+      Vec max0 = m_old0, max1 = m_old1;
+      for (int64_t j = 0; j < cols; ++j) {
+        const acc_t* s = ws_.st + j * bq + c;
+        max0 = at::vec::maximum(max0, Vec::loadu(s));
+        max1 = at::vec::maximum(max1, Vec::loadu(s + w));
+      }
       // A query that has seen no attendable key yet keeps max -inf; subtract
       // 0 instead so that exp gives 0 rather than NaN.
-      const Vec m_use = Vec::blendv(vmax, Vec(acc_t(0)), vmax == vneg_inf);
-      Vec sum(acc_t(0));
+      const Vec use0 = Vec::blendv(max0, zero, max0 == vneg_inf);
+      const Vec use1 = Vec::blendv(max1, zero, max1 == vneg_inf);
+      Vec sum0 = zero, sum1 = zero;
       for (int64_t j = 0; j < cols; ++j) {
         acc_t* s = ws_.st + j * bq + c;
-        const Vec e = (Vec::loadu(s) - m_use).exp_u20();
-        e.store(s);
-        sum = sum + e;
+        const Vec e0 = (Vec::loadu(s) - use0).exp_u20();
+        const Vec e1 = (Vec::loadu(s + w) - use1).exp_u20();
+        e0.store(s);
+        e1.store(s + w);
+        sum0 = sum0 + e0;
+        sum1 = sum1 + e1;
       }
-      const Vec alpha = (m_old - m_use).exp_u20();
-      (Vec::loadu(ws_.l + c) * alpha + sum).store(ws_.l + c);
-      vmax.store(ws_.m + c);
-      alpha.store(ws_.alpha + c);
+      const Vec alpha0 = (m_old0 - use0).exp_u20(), alpha1 = (m_old1 - use1).exp_u20();
+      (Vec::loadu(ws_.l + c) * alpha0 + sum0).store(ws_.l + c);
+      (Vec::loadu(ws_.l + c + w) * alpha1 + sum1).store(ws_.l + c + w);
+      max0.store(ws_.m + c);
+      max1.store(ws_.m + c + w);
+      alpha0.store(ws_.alpha + c);
+      alpha1.store(ws_.alpha + c + w);
     }
   }
 

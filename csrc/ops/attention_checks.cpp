@@ -49,6 +49,9 @@ std::vector<c10::SymInt> attention_outer_shape(const at::Tensor& query,
   }
   const c10::SymInt hq = heads_of(query), hk = heads_of(key), hv = heads_of(value);
   if (enable_gqa) {
+    TORCH_CHECK(hk != 0 && hv != 0, kOp,
+                ": with enable_gqa=True key and value need at least one head, got ", hk, " and ",
+                hv);
     TORCH_CHECK(hq % hk == 0 && hq % hv == 0, kOp,
                 ": with enable_gqa=True the number of heads in key (", hk, ") and value (", hv,
                 ") must divide the number of heads in query (", hq, ")");

@@ -24,8 +24,9 @@ def scaled_dot_product_attention(
     ``is_causal``: top-left aligned causal mask, no tensor built. ``scale`` defaults to
     ``1/sqrt(E)``. ``enable_gqa``: H may be a multiple of H_kv (K/V are not copied).
 
-    Differences from PyTorch: a query row whose keys are all masked gets 0 (PyTorch
-    returns NaN there); ``dropout_p`` must be 0 for now.
+    A query row whose keys are all masked gets 0 (as in PyTorch 2.15), never NaN.
+    Differences from PyTorch: ``dropout_p`` must be 0 for now; ``scale`` must be finite
+    and >= 0; a NaN or +inf score makes its row NaN.
     """
     return torch.ops.fusedmha.scaled_dot_product_attention(
         query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa

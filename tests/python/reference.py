@@ -50,7 +50,7 @@ def assert_attention_close(out, q, k, v, **kwargs):
     if mask is not None and mask.dim() < 2:  # PyTorch's CPU kernels want >= 2-D masks
         torch_kwargs["attn_mask"] = mask.expand(q.size(-2), k.size(-2))
     torch_out = F.scaled_dot_product_attention(q, k, v, **torch_kwargs)
-    # PyTorch gives NaN where a row has no key to attend to; compare those rows as 0.
+    # Older PyTorch versions give NaN where a row has no key to attend to; compare as 0.
     torch_out = torch.nan_to_num(torch_out.double(), nan=0.0)
     err = (out.double() - ref).abs().max().item() if out.numel() else 0.0
     torch_err = (torch_out - ref).abs().max().item() if out.numel() else 0.0

@@ -54,6 +54,11 @@ def test_gqa_heads_must_divide():
     raises(r"enable_gqa=True the number of heads in key \(4\).*must divide.*query \(6\)", q, k, v, enable_gqa=True)
 
 
+def test_gqa_zero_kv_heads():
+    q = torch.randn(1, 4, 5, 8)
+    raises(r"key and value need at least one head", q, torch.randn(1, 0, 6, 8), torch.randn(1, 0, 6, 8), enable_gqa=True)
+
+
 def test_dtype_mismatch():
     q, k, v = qkv()
     raises(r"same dtype.*key.dtype=Double", q, k.double(), v)

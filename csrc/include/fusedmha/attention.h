@@ -14,7 +14,7 @@ namespace fusedmha {
 // attn_mask bool (true = may attend) or float (added to the scores),
 // broadcastable to (..., H, L, S); is_causal is top-left aligned; scale
 // defaults to 1/sqrt(E); enable_gqa lets H be a multiple of H_kv.
-// A query row whose keys are all masked gets output 0 (PyTorch gives NaN).
+// A query row whose keys are all masked gets output 0, never NaN.
 // Goes through the dispatcher (op fusedmha::scaled_dot_product_attention).
 FUSEDMHA_API at::Tensor scaled_dot_product_attention(
     const at::Tensor& query,

@@ -1,0 +1,15 @@
+# cmake -DLIB=<static library> -P CheckNoSharedSymbols.cmake
+# Fails if LIB defines weak (W/V) or unique (u) symbols: in code compiled for
+# a wide ISA those are copies of inline functions that the linker could pick
+# for baseline callers, making them run AVX2/AVX-512 instructions anywhere.
+find_program(NM_PROGRAM NAMES nm REQUIRED)
+execute_process(COMMAND "${NM_PROGRAM}" --defined-only -C "${LIB}"
+                OUTPUT_VARIABLE symbols RESULT_VARIABLE rc)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "nm failed on ${LIB}")
+endif()
+string(REGEX MATCHALL "[^\n]* [WVu] [^\n]*" shared "${symbols}")
+if(shared)
+  list(JOIN shared "\n  " shared)
+  message(FATAL_ERROR "${LIB} defines symbols the linker may share with baseline code:\n  ${shared}")
+endif()
