@@ -1,0 +1,284 @@
+#pragma once
+
+// The building blocks the forward and backward CPU kernels share. Included
+// only by the per-ISA kernel files (compiled once per level with
+// -DCPU_CAPABILITY=<LEVEL>): everything here lives in an anonymous namespace
+// inside fusedmha::cpu::<LEVEL>, so each level has its own private copy.
+//
+// Layout convention: a score tile is held transposed, Sᵀ (keys × queries),
+// so that queries are the vector lanes: softmax passes are vertical vector
+// operations and K/V rows are read in place through their strides.
+
+#include "cpu/attention_params.h"
+
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+
+namespace fusedmha::cpu {
+namespace CPU_CAPABILITY {
+namespace {
+
+using at::vec::Vectorized;
+
+// Rows of the register-blocked micro-kernels: as many as leave room for two
+// vector columns of accumulators plus operands in the register file.
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int64_t kMicroRows = 12;  // 24 of 32 zmm registers accumulate
+#elif defined(CPU_CAPABILITY_AVX2)
+constexpr int64_t kMicroRows = 6;   // 12 of 16 ymm registers accumulate
+#else
+constexpr int64_t kMicroRows = 4;
+#endif
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+inline int64_t div_up(int64_t x, int64_t m) { return (x + m - 1) / m; }
+
+template <typename scalar_t> struct AccType { using type = float; };
+template <> struct AccType<double> { using type = double; };
+
+// Two vectors: the column width of the micro-kernels, and the granule in
+// which query blocks and head dims are padded.
+template <typename acc_t>
+constexpr int64_t panel_width() { return 2 * Vectorized<acc_t>::size(); }
+
+template <typename acc_t>
+constexpr acc_t neg_inf() { return -std::numeric_limits<acc_t>::infinity(); }
+
+// c[M × 2 vectors] (+)= a[M × n] · b[n × 2 vectors], b's row t at b + t·b_step.
+// The a operand comes two ways, both read in place:
+//  - kRowsOfA: row i of a is a + i·lda (e.g. Sᵀ = K·Qᵀ with a = rows of K)
+//  - otherwise a is given by its columns: element (i, t) at a[t·lda + i]
+//    (e.g. O += P·V with P held as Pᵀ).
+template <typename acc_t, int64_t M, bool kRowsOfA, bool kAccumulate>
+inline void microkernel(const acc_t* a, int64_t lda, const acc_t* b, int64_t b_step, int64_t n,
+                        acc_t* c, int64_t ldc) {
+  using Vec = Vectorized<acc_t>;
+  constexpr int64_t w = Vec::size();
+  Vec c0[M], c1[M];
+#pragma GCC unroll 16
+  for (int64_t i = 0; i < M; ++i) {
+    c0[i] = kAccumulate ? Vec::loadu(c + i * ldc) : Vec(acc_t(0));
+    c1[i] = kAccumulate ? Vec::loadu(c + i * ldc + w) : Vec(acc_t(0));
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    const Vec b0 = Vec::loadu(b + t * b_step);
+    const Vec b1 = Vec::loadu(b + t * b_step + w);
+#pragma GCC unroll 16
+    for (int64_t i = 0; i < M; ++i) {
+      const Vec x(kRowsOfA ? a[i * lda + t] : a[t * lda + i]);
+      c0[i] = at::vec::fmadd(x, b0, c0[i]);
+      c1[i] = at::vec::fmadd(x, b1, c1[i]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int64_t i = 0; i < M; ++i) {
+    c0[i].store(c + i * ldc);
+    c1[i].store(c + i * ldc + w);
+  }
+}
+
+// The same for any row count m <= kMicroRows (the tail of a block).
+template <typename acc_t, bool kRowsOfA, bool kAccumulate, int64_t M = kMicroRows>
+inline void microkernel_rows(int64_t m, const acc_t* a, int64_t lda, const acc_t* b,
+                             int64_t b_step, int64_t n, acc_t* c, int64_t ldc) {
+  if constexpr (M > 0) {
+    if (m == M) return microkernel<acc_t, M, kRowsOfA, kAccumulate>(a, lda, b, b_step, n, c, ldc);
+    return microkernel_rows<acc_t, kRowsOfA, kAccumulate, M - 1>(m, a, lda, b, b_step, n, c, ldc);
+  }
+}
+
+// c[m × ncols] (+)= a[m × n] · b[n × ncols] with ncols a multiple of the panel
+// width, as a grid of micro-kernel calls. b_panel(col) gives the start of the
+// column panel at col, and its rows are b_step apart.
+template <typename acc_t, bool kRowsOfA, bool kAccumulate, typename BPanel>
+inline void gemm(int64_t m, int64_t ncols, int64_t n, const acc_t* a, int64_t lda,
+                 BPanel b_panel, int64_t b_step, acc_t* c, int64_t ldc) {
+  constexpr int64_t nr = panel_width<acc_t>();
+  // Column panels outermost: one panel of b stays in L1 while every row of
+  // a passes over it.
+  for (int64_t col = 0; col < ncols; col += nr) {
+    const acc_t* b = b_panel(col);
+    for (int64_t i = 0; i < m; i += kMicroRows) {
+      const acc_t* ai = kRowsOfA ? a + i * lda : a + i;
+      microkernel_rows<acc_t, kRowsOfA, kAccumulate>(std::min(kMicroRows, m - i), ai, lda, b,
+                                                     b_step, n, c + i * ldc + col, ldc);
+    }
+  }
+}
+
+// Carves a thread's scratch memory into arrays; with a null base it only
+// counts, so the same code sizes the workspace and lays it out.
+template <typename acc_t>
+class Arena {
+ public:
+  explicit Arena(void* base) : base_(static_cast<acc_t*>(base)) {}
+  acc_t* take(int64_t count) {
+    acc_t* at = base_ ? base_ + used_ : nullptr;
+    used_ += round_up(count, 64 / sizeof(acc_t));  // each array on its own cache lines
+    return at;
+  }
+  size_t bytes() const { return sizeof(acc_t) * used_; }
+
+ private:
+  acc_t* base_;
+  int64_t used_ = 0;
+};
+
+// Reads the inputs described by ForwardParams tile by tile, in the layouts
+// the micro-kernels want, widening half precision to acc_t.
+template <typename scalar_t, typename acc_t>
+class TileReader {
+ public:
+  using Vec = Vectorized<acc_t>;
+  static constexpr int64_t nr = panel_width<acc_t>();
+  static constexpr int64_t w = Vec::size();
+  static constexpr bool kSameType = std::is_same_v<scalar_t, acc_t>;
+
+  explicit TileReader(const ForwardParams& p) : p_(p) {}
+
+  static const scalar_t* row_ptr(const MatrixView& t, int64_t o, int64_t i) {
+    return static_cast<const scalar_t*>(t.data) + t.offsets[o] + i * t.row_stride;
+  }
+
+  // Rows r0..r0+rows of t (dim wide) transposed into panels of nr rows,
+  // times scale: (row i, dim e) at [(i/nr)·dim + e]·nr + i%nr; rows up to
+  // padded_rows are zero.
+  static void pack_transposed(const MatrixView& t, int64_t o, int64_t r0, int64_t rows,
+                              int64_t padded_rows, int64_t dim, acc_t scale, acc_t* dst) {
+    for (int64_t i = 0; i < padded_rows; ++i) {
+      acc_t* d = dst + (i / nr) * dim * nr + i % nr;
+      if (i < rows) {
+        const scalar_t* src = row_ptr(t, o, r0 + i);
+        for (int64_t e = 0; e < dim; ++e) d[e * nr] = static_cast<acc_t>(src[e]) * scale;
+      } else {
+        for (int64_t e = 0; e < dim; ++e) d[e * nr] = acc_t(0);
+      }
+    }
+  }
+
+  // Rows r0..r0+rows of t as acc_t rows: in place (returning the input's
+  // row stride in *ld) when the type matches and, if panel_rows, the rows
+  // fill whole panels; otherwise widened into dst, zero-padded to a
+  // multiple of the panel width.
+  static const acc_t* rows_of(const MatrixView& t, int64_t o, int64_t r0, int64_t rows,
+                              int64_t dim, bool panel_rows, acc_t* dst, int64_t* ld) {
+    if (kSameType && (!panel_rows || dim % nr == 0)) {
+      *ld = t.row_stride;
+      return reinterpret_cast<const acc_t*>(row_ptr(t, o, r0));
+    }
+    *ld = round_up(dim, nr);
+    for (int64_t i = 0; i < rows; ++i) {
+      const scalar_t* src = row_ptr(t, o, r0 + i);
+      acc_t* d = dst + i * *ld;
+      for (int64_t e = 0; e < dim; ++e) d[e] = static_cast<acc_t>(src[e]);
+      std::fill(d + dim, d + *ld, acc_t(0));
+    }
+    return dst;
+  }
+
+  // Sᵀ = K·(scale·Q)ᵀ for keys k (ldk apart) and the packed query panels qt.
+  void scores(const acc_t* k, int64_t ldk, int64_t cols, const acc_t* qt, int64_t bq,
+              acc_t* st) const {
+    const int64_t d = p_.dim_qk;
+    gemm<acc_t, /*kRowsOfA=*/true, /*kAccumulate=*/false>(
+        cols, bq, d, k, ldk, [&](int64_t c) { return qt + c * d; }, nr, st, bq);
+  }
+
+  // Causal and explicit masks on the transposed scores st (row j = key
+  // k0 + j, bq query lanes, queries q0..q0+rows); mt is scratch of
+  // w × round_up(cols, w).
+  void apply_masks(int64_t o, int64_t q0, int64_t rows, int64_t bq, int64_t k0, int64_t cols,
+                   acc_t* st, acc_t* mt) const {
+    if (p_.is_causal && k0 + cols - 1 > q0) {
+      for (int64_t j = 0; j < cols; ++j) {
+        // Key k0 + j is hidden from queries q0 + i with i < k0 + j - q0.
+        const int64_t hidden = std::clamp<int64_t>(k0 + j - q0, 0, rows);
+        std::fill(st + j * bq, st + j * bq + hidden, neg_inf<acc_t>());
+      }
+    }
+    switch (p_.mask_kind) {
+      case MaskKind::None: return;
+      case MaskKind::Bool: return apply_mask<bool>(o, q0, rows, bq, k0, cols, st, mt);
+      case MaskKind::Additive: return apply_mask<scalar_t>(o, q0, rows, bq, k0, cols, st, mt);
+      case MaskKind::AdditiveFloat32: return apply_mask<float>(o, q0, rows, bq, k0, cols, st, mt);
+    }
+  }
+
+ private:
+  // A mask value as a term added to the score: bool masks add 0 or -inf.
+  static acc_t additive(bool allowed) { return allowed ? acc_t(0) : neg_inf<acc_t>(); }
+  template <typename mask_t>
+  static acc_t additive(mask_t value) { return static_cast<acc_t>(value); }
+
+  template <typename mask_t>
+  void apply_mask(int64_t o, int64_t q0, int64_t rows, int64_t bq, int64_t k0, int64_t cols,
+                  acc_t* st, acc_t* mt) const {
+    const MatrixView& mk = p_.mask;
+    const int64_t cs = mk.col_stride;
+    const mask_t* base = static_cast<const mask_t*>(mk.data) + mk.offsets[o] + k0 * cs;
+    if (mk.row_stride == 0) {
+      // The same mask row for every query (a key padding mask): one term
+      // per key row of Sᵀ.
+      for (int64_t j = 0; j < cols; ++j) {
+        const Vec term(additive(base[j * cs]));
+        acc_t* s = st + j * bq;
+        for (int64_t i = 0; i < rows; i += w) (Vec::loadu(s + i) + term).store(s + i);
+      }
+      return;
+    }
+    // A general mask is read along its rows (w queries at a time) into mt as
+    // additive terms, then added onto Sᵀ through w × w transposes.
+    const int64_t ldm = round_up(cols, w);
+    for (int64_t i0 = 0; i0 < rows; i0 += w) {
+      for (int64_t i = 0; i < w; ++i) {
+        acc_t* dst = mt + i * ldm;
+        int64_t j = 0;
+        if (i0 + i < rows) {
+          const mask_t* m = base + (q0 + i0 + i) * mk.row_stride;
+          if (cs == 1) {
+            for (; j < cols; ++j) dst[j] = additive(m[j]);
+          } else {
+            for (; j < cols; ++j) dst[j] = additive(m[j * cs]);
+          }
+        }
+        std::fill(dst + j, dst + ldm, acc_t(0));
+      }
+      acc_t block[w * w];
+      for (int64_t j0 = 0; j0 < cols; j0 += w) {
+        transpose_block(mt + j0, ldm, block);
+        for (int64_t j = j0; j < std::min(j0 + w, cols); ++j) {
+          acc_t* s = st + j * bq + i0;
+          (Vec::loadu(s) + Vec::loadu(block + (j - j0) * w)).store(s);
+        }
+      }
+    }
+  }
+
+  // dst[w × w] = transpose of the w × w block at src (leading dim ld).
+  static void transpose_block(const acc_t* src, int64_t ld, acc_t* dst) {
+#if defined(CPU_CAPABILITY_AVX2)
+    if constexpr (std::is_same_v<acc_t, float>) {
+      return at::vec::transpose_mxn<float, 8, 8>(src, ld, dst, w);
+    }
+#elif defined(CPU_CAPABILITY_AVX512)
+    if constexpr (std::is_same_v<acc_t, float>) {
+      return at::vec::transpose_mxn<float>(src, ld, dst, w, 16, 16);
+    }
+#endif
+    for (int64_t i = 0; i < w; ++i) {
+      for (int64_t j = 0; j < w; ++j) dst[j * w + i] = src[i * ld + j];
+    }
+  }
+
+  const ForwardParams& p_;
+};
+
+}  // namespace
+}  // namespace CPU_CAPABILITY
+}  // namespace fusedmha::cpu
