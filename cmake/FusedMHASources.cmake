@@ -8,9 +8,12 @@ set(FUSEDMHA_SOURCES
   csrc/ops/attention_autograd.cpp
   csrc/ops/build_info.cpp
   csrc/cpu/attention_forward.cpp
+  csrc/cpu/attention_backward.cpp
   csrc/cpu/isa.cpp
+  csrc/cpu/launch.cpp
 )
 # Compiled once per ISA level (see FUSEDMHA_CPU_ISA_LEVELS).
 set(FUSEDMHA_CPU_ISA_SOURCES
   csrc/cpu/attention_forward_kernel.cpp
+  csrc/cpu/attention_backward_kernel.cpp
 )

@@ -55,6 +55,34 @@ struct ForwardParams {
   int64_t block_kv = 0;     // keys per inner step (set by forward_configure)
 };
 
+// The backward reads everything the forward read plus the forward's output
+// and log-sum-exp and the output's gradient. It writes the gradients in
+// acc_t (float, double for Float64) for every outer index, dense:
+// grad_q (outer, len_q, dim_qk), grad_k (outer, len_kv, dim_qk),
+// grad_v (outer, len_kv, dim_v); the host reduces them over broadcast and
+// grouped heads. Work items are (outer index, block of keys); their
+// contributions to grad_q overlap and go through add_grad_q, which the host
+// makes thread-safe and scales.
+struct BackwardParams {
+  ForwardParams fwd;  // out/lse/out_offsets of fwd are unused
+  MatrixView out, grad_out;
+  const void* lse = nullptr;  // (outer, len_q) acc_t
+  void* grad_q = nullptr;     // accumulated through add_grad_q only
+  void* grad_k = nullptr;
+  void* grad_v = nullptr;
+  // grad_q[o, q0 + i, :] += scale * block[i * ld, :] for i < rows.
+  void (*add_grad_q)(const BackwardParams& p, int64_t o, int64_t q0, int64_t rows,
+                     const void* block, int64_t ld) = nullptr;
+  void* host_state = nullptr;  // for add_grad_q
+};
+
+inline int64_t num_key_blocks(const BackwardParams& p) {
+  return (p.fwd.len_kv + p.fwd.block_kv - 1) / p.fwd.block_kv;
+}
+inline int64_t num_backward_items(const BackwardParams& p) {
+  return p.fwd.outer * num_key_blocks(p);
+}
+
 // A work item is one (outer index, block of query rows), numbered
 // outer-major.
 inline int64_t num_query_blocks(const ForwardParams& p) {

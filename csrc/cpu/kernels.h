@@ -16,6 +16,10 @@ namespace fusedmha::cpu {
   /* Computes work items [begin, end) (see num_work_items). */                \
   void forward_items(const ForwardParams& params, int64_t begin, int64_t end, \
                      void* workspace);                                         \
+  size_t backward_configure(BackwardParams& params);                           \
+  /* Computes backward work items [begin, end) (see num_backward_items). */   \
+  void backward_items(const BackwardParams& params, int64_t begin,            \
+                      int64_t end, void* workspace);                           \
   }
 
 FUSEDMHA_DECLARE_CPU_KERNELS(DEFAULT)

@@ -23,6 +23,18 @@ const c10::TypedOperatorHandle<ForwardSignature>& forward_op() {
   return op;
 }
 
+using BackwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, double, bool,
+    std::optional<double>, bool);
+
+const c10::TypedOperatorHandle<BackwardSignature>& backward_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("fusedmha::attention_backward", "")
+                             .typed<BackwardSignature>();
+  return op;
+}
+
 const c10::TypedOperatorHandle<SdpaSignature>& sdpa_op() {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("fusedmha::scaled_dot_product_attention", "")
@@ -58,6 +70,15 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& query,
                                                      std::optional<double> scale,
                                                      bool enable_gqa) {
   return forward_op().call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
+    const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
+    const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
+    const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
+    std::optional<double> scale, bool enable_gqa) {
+  return backward_op().call(grad_out, query, key, value, out, logsumexp, attn_mask, dropout_p,
+                            is_causal, scale, enable_gqa);
 }
 
 TORCH_LIBRARY_IMPL(fusedmha, CompositeImplicitAutograd, m) {

@@ -134,6 +134,38 @@ void check_attention_inputs(const at::Tensor& query,
   }
 }
 
+void check_attention_backward_inputs(const at::Tensor& grad_out,
+                                     const at::Tensor& query,
+                                     const at::Tensor& key,
+                                     const at::Tensor& value,
+                                     const at::Tensor& out,
+                                     const at::Tensor& logsumexp,
+                                     const std::optional<at::Tensor>& attn_mask,
+                                     double dropout_p,
+                                     bool is_causal,
+                                     std::optional<double> scale,
+                                     bool enable_gqa) {
+  constexpr const char* kBwd = "fusedmha.attention_backward";
+  check_attention_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa);
+  auto [expected_out, expected_lse] = allocate_attention_outputs(
+      query.to(at::kMeta), key.to(at::kMeta), value.to(at::kMeta), enable_gqa);
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"grad_out", &grad_out},
+                                {"out", &out}}) {
+    TORCH_CHECK(t->sym_sizes() == expected_out.sym_sizes(), kBwd, ": expected ", name,
+                " of the forward output's shape ", shape_str(expected_out.sym_sizes()), ", got ",
+                shape_str(t->sym_sizes()));
+    TORCH_CHECK(t->scalar_type() == query.scalar_type() && t->device() == query.device(), kBwd,
+                ": expected ", name, " of dtype ", query.scalar_type(), " on ", query.device(),
+                ", got ", t->scalar_type(), " on ", t->device());
+  }
+  TORCH_CHECK(logsumexp.sym_sizes() == expected_lse.sym_sizes() &&
+                  logsumexp.scalar_type() == expected_lse.scalar_type() &&
+                  logsumexp.device() == query.device(),
+              kBwd, ": expected logsumexp as attention_forward returns it (",
+              expected_lse.scalar_type(), " of shape ", shape_str(expected_lse.sym_sizes()),
+              "), got ", logsumexp.scalar_type(), " of shape ", shape_str(logsumexp.sym_sizes()));
+}
+
 std::tuple<at::Tensor, at::Tensor> allocate_attention_outputs(const at::Tensor& query,
                                                               const at::Tensor& key,
                                                               const at::Tensor& value,

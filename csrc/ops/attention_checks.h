@@ -23,6 +23,20 @@ void check_attention_inputs(const at::Tensor& query,
                             std::optional<double> scale,
                             bool enable_gqa);
 
+// check_attention_inputs, plus: grad_out and out of the forward output's
+// shape and the query's dtype, logsumexp as attention_forward returned it.
+void check_attention_backward_inputs(const at::Tensor& grad_out,
+                                     const at::Tensor& query,
+                                     const at::Tensor& key,
+                                     const at::Tensor& value,
+                                     const at::Tensor& out,
+                                     const at::Tensor& logsumexp,
+                                     const std::optional<at::Tensor>& attn_mask,
+                                     double dropout_p,
+                                     bool is_causal,
+                                     std::optional<double> scale,
+                                     bool enable_gqa);
+
 // Output (..., H, L, Ev) in the query's layout, as PyTorch's SDPA returns it, and the
 // log-sum-exp (..., H, L), float32 (float64 for float64 inputs).
 std::tuple<at::Tensor, at::Tensor> allocate_attention_outputs(const at::Tensor& query,

@@ -5,6 +5,7 @@
 
 #include "ops/attention_checks.h"
 
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 namespace fusedmha::ops {
@@ -18,10 +19,24 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_meta(
   return allocate_attention_outputs(query, key, value, enable_gqa);
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_meta(
+    const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
+    const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
+    const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
+    std::optional<double> scale, bool enable_gqa) {
+  check_attention_backward_inputs(grad_out, query, key, value, out, logsumexp, attn_mask,
+                                  dropout_p, is_causal, scale, enable_gqa);
+  // Contiguous, in the inputs' shapes and dtypes, as the real kernels return them.
+  return {at::empty_symint(query.sym_sizes(), query.options()),
+          at::empty_symint(key.sym_sizes(), key.options()),
+          at::empty_symint(value.sym_sizes(), value.options())};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fusedmha, Meta, m) {
   m.impl("attention_forward", TORCH_FN(attention_forward_meta));
+  m.impl("attention_backward", TORCH_FN(attention_backward_meta));
 }
 
 }  // namespace fusedmha::ops

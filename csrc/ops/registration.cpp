@@ -11,6 +11,13 @@ TORCH_LIBRARY(fusedmha, m) {
       "attention_forward(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, "
       "float dropout_p=0.0, bool is_causal=False, float? scale=None, bool enable_gqa=False) "
       "-> (Tensor output, Tensor logsumexp)");
+  // Gradients of attention_forward's output with respect to query, key and
+  // value (a float attn_mask gets none), recomputed tile by tile from the
+  // saved output and log-sum-exp.
+  m.def(
+      "attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, "
+      "Tensor logsumexp, Tensor? attn_mask, float dropout_p, bool is_causal, float? scale, "
+      "bool enable_gqa) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value)");
   // torch.nn.functional.scaled_dot_product_attention's signature; a
   // composite of attention_forward (csrc/ops/attention.cpp).
   m.def(

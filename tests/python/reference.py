@@ -34,8 +34,10 @@ def reference_attention(q, k, v, attn_mask=None, is_causal=False, scale=None, en
             scores = scores.masked_fill(~attn_mask, float("-inf"))
         else:
             scores = scores + attn_mask.double()
-    probs = torch.softmax(scores, dim=-1)
-    probs = torch.nan_to_num(probs, nan=0.0)  # all -inf rows: softmax gives NaN; we give 0
+    # Rows with no key to attend to give 0, with zero gradient: take their
+    # softmax over zeros instead of all -inf (which is NaN), then drop them.
+    attends = (scores > float("-inf")).any(dim=-1, keepdim=True)
+    probs = torch.softmax(torch.where(attends, scores, torch.zeros_like(scores)), dim=-1) * attends
     return probs @ v
 
 

@@ -119,10 +119,29 @@ def test_bad_scale(scale):
     raises(r"scale must be a finite number >= 0", q, k, v, scale=scale)
 
 
-def test_backward_raises_until_implemented():
-    q, k, v = qkv()
-    q.requires_grad_()
+def test_double_backward_is_refused():
+    q, k, v = (t.double().requires_grad_() for t in qkv())
     out = sdpa(q, k, v)
-    assert out.requires_grad
-    with pytest.raises(RuntimeError, match="backward is not implemented yet"):
-        out.sum().backward()
+    (gq,) = torch.autograd.grad(out.sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match=r"double backward .* is not supported"):
+        gq.sum().backward()
+
+
+def test_float_mask_requiring_grad_is_refused():
+    q, k, v = qkv()
+    mask = torch.zeros(5, 7, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"gradients with respect to a float attn_mask are not supported"):
+        sdpa(q, k, v, attn_mask=mask)
+    sdpa(q, k, v, attn_mask=mask.detach())  # fine
+
+
+def test_backward_op_checks_its_extra_inputs():
+    q, k, v = qkv()
+    out, lse = torch.ops.fusedmha.attention_forward(q, k, v)
+    bwd = torch.ops.fusedmha.attention_backward
+    with pytest.raises(RuntimeError, match=r"expected grad_out of the forward output's shape"):
+        bwd(out[:, :, :4], q, k, v, out, lse, None, 0.0, False, None, False)
+    with pytest.raises(RuntimeError, match=r"expected out of dtype Float"):
+        bwd(out, q, k, v, out.double(), lse, None, 0.0, False, None, False)
+    with pytest.raises(RuntimeError, match=r"expected logsumexp as attention_forward returns it"):
+        bwd(out, q, k, v, out, lse.double(), None, 0.0, False, None, False)

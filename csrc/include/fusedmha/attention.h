@@ -40,4 +40,21 @@ FUSEDMHA_API std::tuple<at::Tensor, at::Tensor> attention_forward(
     std::optional<double> scale = std::nullopt,
     bool enable_gqa = false);
 
+// The backward op (fusedmha::attention_backward): gradients with respect to
+// query, key and value, given the gradient of the output and what
+// attention_forward returned. Autograd calls it; it is public for tests and
+// for custom autograd code.
+FUSEDMHA_API std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
+    const at::Tensor& grad_out,
+    const at::Tensor& query,
+    const at::Tensor& key,
+    const at::Tensor& value,
+    const at::Tensor& out,
+    const at::Tensor& logsumexp,
+    const std::optional<at::Tensor>& attn_mask = std::nullopt,
+    double dropout_p = 0.0,
+    bool is_causal = false,
+    std::optional<double> scale = std::nullopt,
+    bool enable_gqa = false);
+
 }  // namespace fusedmha

@@ -1,0 +1,227 @@
+// Fused attention backward on the CPU, compiled once per ISA level.
+//
+// FlashAttention-2's backward, transposed like the forward (queries in the
+// vector lanes). One work item = one (batch·head, block of keys), so a
+// single (batch, head) still spreads over every thread. For each block of
+// queries that can see those keys it recomputes, never storing L×S:
+//   Pᵀ  = exp(K·(scale·Q)ᵀ − lse)          (masks as in the forward)
+//   dV += Pᵀ·dO
+//   dPᵀ = V·dOᵀ
+//   dSᵀ = Pᵀ ∘ (dPᵀ − D),  D = rowsum(dO ∘ O)
+//   dK += dSᵀ·Q             (times scale at the end)
+//   dQ  = dSᵀᵀ·K            (handed to the host, which sums the key blocks)
+// with the same register-blocked micro-kernels, accumulating in fp32 (fp64
+// for double).
+
+#include "cpu/attention_tiles.h"
+#include "cpu/kernels.h"
+
+namespace fusedmha::cpu {
+namespace CPU_CAPABILITY {
+namespace {
+
+constexpr int64_t kBlockQ = 64;
+constexpr int64_t kMaxBlockKV = 128;
+
+// Scratch of one thread.
+template <typename acc_t>
+struct BackwardWorkspace {
+  int64_t dqk, dv;  // head dims padded to the panel width
+  acc_t* qt;   // bq × E      scaled Qᵀ in panels of nr queries
+  acc_t* q;    // bq × dqk    widened query rows (when not read in place)
+  acc_t* dot;  // bq × Ev     dOᵀ in panels of nr queries
+  acc_t* dor;  // bq × dv     widened dO rows (when not read in place)
+  acc_t* d;    // bq          D = rowsum(dO ∘ O)
+  acc_t* lse;  // bq          log-sum-exp of the query block (+inf in padding)
+  acc_t* pt;   // bkv × bq    Pᵀ
+  acc_t* dst;  // bkv × bq    dPᵀ, then dSᵀ
+  acc_t* k;    // bkv × dqk   widened key block
+  acc_t* v;    // bkv × dv    widened value block
+  acc_t* mt;   // w × bkv     mask terms (general masks)
+  acc_t* dk;   // bkv × dqk   dK accumulator
+  acc_t* dvv;  // bkv × dv    dV accumulator
+  acc_t* dq;   // bq × dqk    dQ of one query block
+
+  BackwardWorkspace(const BackwardParams& bp, Arena<acc_t>& arena) {
+    constexpr int64_t nr = panel_width<acc_t>(), w = Vectorized<acc_t>::size();
+    const ForwardParams& p = bp.fwd;
+    const int64_t bq = p.block_q, bkv = p.block_kv;
+    dqk = round_up(p.dim_qk, nr);
+    dv = round_up(p.dim_v, nr);
+    qt = arena.take(bq * p.dim_qk);
+    q = arena.take(bq * dqk);
+    dot = arena.take(bq * p.dim_v);
+    dor = arena.take(bq * dv);
+    d = arena.take(bq);
+    lse = arena.take(bq);
+    pt = arena.take(bkv * bq);
+    dst = arena.take(bkv * bq);
+    k = arena.take(bkv * dqk);
+    v = arena.take(bkv * dv);
+    mt = arena.take(w * round_up(bkv, w));
+    dk = arena.take(bkv * dqk);
+    dvv = arena.take(bkv * dv);
+    dq = arena.take(bq * dqk);
+  }
+};
+
+template <typename scalar_t, typename acc_t>
+class BackwardKernel {
+ public:
+  using Vec = Vectorized<acc_t>;
+  using Tiles = TileReader<scalar_t, acc_t>;
+  static constexpr int64_t nr = panel_width<acc_t>();
+  static constexpr int64_t w = Vec::size();
+
+  BackwardKernel(const BackwardParams& bp, Arena<acc_t> arena)
+      : bp_(bp), p_(bp.fwd), tiles_(bp.fwd), ws_(bp, arena) {}
+
+  void run(int64_t item) {
+    const int64_t nkb = num_key_blocks(bp_);
+    const int64_t o = item / nkb;
+    const int64_t k0 = (item % nkb) * p_.block_kv;
+    const int64_t cols = std::min(p_.block_kv, p_.len_kv - k0);
+    const int64_t E = p_.dim_qk, Ev = p_.dim_v;
+
+    int64_t ldk, ldv;
+    const acc_t* k = Tiles::rows_of(p_.k, o, k0, cols, E, /*panel_rows=*/true, ws_.k, &ldk);
+    const acc_t* v = Tiles::rows_of(p_.v, o, k0, cols, Ev, /*panel_rows=*/false, ws_.v, &ldv);
+    std::fill(ws_.dk, ws_.dk + cols * ws_.dqk, acc_t(0));
+    std::fill(ws_.dvv, ws_.dvv + cols * ws_.dv, acc_t(0));
+
+    // Causal (top-left): key j is seen by queries j.., so query blocks
+    // entirely before k0 are skipped.
+    const int64_t q_begin = p_.is_causal ? k0 / p_.block_q * p_.block_q : 0;
+    for (int64_t q0 = q_begin; q0 < p_.len_q; q0 += p_.block_q) {
+      const int64_t rows = std::min(p_.block_q, p_.len_q - q0);
+      const int64_t bq = round_up(rows, nr);
+      int64_t ldq, lddo;
+      Tiles::pack_transposed(p_.q, o, q0, rows, bq, E, static_cast<acc_t>(p_.scale), ws_.qt);
+      const acc_t* q = Tiles::rows_of(p_.q, o, q0, rows, E, true, ws_.q, &ldq);
+      Tiles::pack_transposed(bp_.grad_out, o, q0, rows, bq, Ev, acc_t(1), ws_.dot);
+      const acc_t* dout = Tiles::rows_of(bp_.grad_out, o, q0, rows, Ev, true, ws_.dor, &lddo);
+      load_row_stats(o, q0, rows, bq, dout, lddo);
+
+      tiles_.scores(k, ldk, cols, ws_.qt, bq, ws_.pt);
+      tiles_.apply_masks(o, q0, rows, bq, k0, cols, ws_.pt, ws_.mt);
+      probabilities(cols, bq);
+      // dV += Pᵀ·dO
+      gemm<acc_t, /*kRowsOfA=*/true, /*kAccumulate=*/true>(
+          cols, ws_.dv, rows, ws_.pt, bq, [&](int64_t e) { return dout + e; }, lddo, ws_.dvv,
+          ws_.dv);
+      // dPᵀ = V·dOᵀ, then dSᵀ = Pᵀ ∘ (dPᵀ − D)
+      gemm<acc_t, /*kRowsOfA=*/true, /*kAccumulate=*/false>(
+          cols, bq, Ev, v, ldv, [&](int64_t c) { return ws_.dot + c * Ev; }, nr, ws_.dst, bq);
+      score_gradients(cols, bq);
+      // dK += dSᵀ·Q
+      gemm<acc_t, /*kRowsOfA=*/true, /*kAccumulate=*/true>(
+          cols, ws_.dqk, rows, ws_.dst, bq, [&](int64_t e) { return q + e; }, ldq, ws_.dk,
+          ws_.dqk);
+      // dQ (this key block's share) = dS·K
+      gemm<acc_t, /*kRowsOfA=*/false, /*kAccumulate=*/false>(
+          rows, ws_.dqk, cols, ws_.dst, bq, [&](int64_t e) { return k + e; }, ldk, ws_.dq,
+          ws_.dqk);
+      bp_.add_grad_q(bp_, o, q0, rows, ws_.dq, ws_.dqk);
+    }
+    write_key_gradients(o, k0, cols);
+  }
+
+ private:
+  // D = rowsum(dO ∘ O) and the saved log-sum-exp of the query block; padded
+  // lanes get D = 0 and lse = +inf, so their probabilities are 0.
+  void load_row_stats(int64_t o, int64_t q0, int64_t rows, int64_t bq, const acc_t* dout,
+                      int64_t lddo) {
+    const acc_t* lse = static_cast<const acc_t*>(bp_.lse) + o * p_.len_q + q0;
+    for (int64_t i = 0; i < rows; ++i) {
+      const scalar_t* out = Tiles::row_ptr(bp_.out, o, q0 + i);
+      const acc_t* g = dout + i * lddo;
+      acc_t sum = 0;
+      for (int64_t e = 0; e < p_.dim_v; ++e) sum += g[e] * static_cast<acc_t>(out[e]);
+      ws_.d[i] = sum;
+      ws_.lse[i] = lse[i];
+    }
+    std::fill(ws_.d + rows, ws_.d + bq, acc_t(0));
+    std::fill(ws_.lse + rows, ws_.lse + bq, std::numeric_limits<acc_t>::infinity());
+  }
+
+  // Pᵀ = exp(Sᵀ − lse). A row with no attendable key has lse = +inf and so
+  // P = 0; a NaN row (NaN lse) stays NaN, which the fast exp alone would hide.
+  void probabilities(int64_t cols, int64_t bq) {
+    for (int64_t c = 0; c < bq; c += w) {
+      const Vec lse = Vec::loadu(ws_.lse + c);
+      for (int64_t j = 0; j < cols; ++j) {
+        acc_t* s = ws_.pt + j * bq + c;
+        const Vec x = Vec::loadu(s) - lse;
+        Vec::blendv(x.exp_u20(), x, x != x).store(s);
+      }
+    }
+  }
+
+  void score_gradients(int64_t cols, int64_t bq) {
+    for (int64_t c = 0; c < bq; c += w) {
+      const Vec d = Vec::loadu(ws_.d + c);
+      for (int64_t j = 0; j < cols; ++j) {
+        acc_t* ds = ws_.dst + j * bq + c;
+        (Vec::loadu(ws_.pt + j * bq + c) * (Vec::loadu(ds) - d)).store(ds);
+      }
+    }
+  }
+
+  void write_key_gradients(int64_t o, int64_t k0, int64_t cols) {
+    const int64_t E = p_.dim_qk, Ev = p_.dim_v;
+    const acc_t scale = static_cast<acc_t>(p_.scale);
+    acc_t* gk = static_cast<acc_t*>(bp_.grad_k) + (o * p_.len_kv + k0) * E;
+    acc_t* gv = static_cast<acc_t*>(bp_.grad_v) + (o * p_.len_kv + k0) * Ev;
+    for (int64_t j = 0; j < cols; ++j) {
+      for (int64_t e = 0; e < E; ++e) gk[j * E + e] = ws_.dk[j * ws_.dqk + e] * scale;
+      for (int64_t e = 0; e < Ev; ++e) gv[j * Ev + e] = ws_.dvv[j * ws_.dv + e];
+    }
+  }
+
+  const BackwardParams& bp_;
+  const ForwardParams& p_;
+  Tiles tiles_;
+  BackwardWorkspace<acc_t> ws_;
+};
+
+template <typename scalar_t>
+void run_items(const BackwardParams& p, int64_t begin, int64_t end, void* workspace) {
+  using acc_t = typename AccType<scalar_t>::type;
+  BackwardKernel<scalar_t, acc_t> kernel(p, Arena<acc_t>(workspace));
+  for (int64_t item = begin; item < end; ++item) kernel.run(item);
+}
+
+template <typename acc_t>
+size_t configure(BackwardParams& bp) {
+  constexpr int64_t nr = panel_width<acc_t>();
+  ForwardParams& p = bp.fwd;
+  p.block_q = std::min(kBlockQ, round_up(std::max<int64_t>(p.len_q, 1), nr));
+  // Key blocks as large as kMaxBlockKV, but small enough that every thread
+  // gets a few items (batch 1, one head).
+  const int64_t lkv = std::max<int64_t>(p.len_kv, 1);
+  const int64_t wanted_items = 4 * std::max<int64_t>(p.num_threads, 1);
+  const int64_t blocks_per_row = div_up(wanted_items, std::max<int64_t>(p.outer, 1));
+  p.block_kv = std::clamp(round_up(div_up(lkv, blocks_per_row), kMicroRows), kMicroRows,
+                          kMaxBlockKV);
+  Arena<acc_t> counter(nullptr);
+  BackwardWorkspace<acc_t> sizing(bp, counter);
+  return counter.bytes();
+}
+
+}  // namespace
+
+size_t backward_configure(BackwardParams& p) {
+  return p.fwd.dtype == DType::Float64 ? configure<double>(p) : configure<float>(p);
+}
+
+void backward_items(const BackwardParams& p, int64_t begin, int64_t end, void* workspace) {
+  switch (p.fwd.dtype) {
+    case DType::Float32: return run_items<float>(p, begin, end, workspace);
+    case DType::Float64: return run_items<double>(p, begin, end, workspace);
+    case DType::BFloat16: return run_items<c10::BFloat16>(p, begin, end, workspace);
+    case DType::Float16: return run_items<c10::Half>(p, begin, end, workspace);
+  }
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace fusedmha::cpu
