@@ -9,6 +9,7 @@ set(FUSEDMHA_SOURCES
   csrc/ops/build_info.cpp
   csrc/cpu/attention_forward.cpp
   csrc/cpu/attention_backward.cpp
+  csrc/cpu/dropout_mask.cpp
   csrc/cpu/isa.cpp
   csrc/cpu/launch.cpp
 )

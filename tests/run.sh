@@ -27,4 +27,8 @@ echo "== C++ tests (ctest) =="
 ctest --test-dir "$build" --output-on-failure
 
 echo "== Python tests (pytest) =="
+# A fresh compile cache: a cached graph of an older build could call an op
+# with a schema that has since changed.
+export TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)"
+trap 'rm -rf "$TORCHINDUCTOR_CACHE_DIR"' EXIT
 PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}" "$python" -m pytest tests/python -q -p no:cacheprovider "$@"

@@ -62,10 +62,10 @@ at::Tensor reduce_to_input(at::Tensor grad, const at::Tensor& input) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
     const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
-    const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
-    std::optional<double> scale, bool enable_gqa) {
-  ops::check_attention_backward_inputs(grad_out, query, key, value, out, logsumexp, attn_mask,
-                                       dropout_p, is_causal, scale, enable_gqa);
+    const at::Tensor& rng_state, const std::optional<at::Tensor>& attn_mask, double dropout_p,
+    bool is_causal, std::optional<double> scale, bool enable_gqa) {
+  ops::check_attention_backward_inputs(grad_out, query, key, value, out, logsumexp, rng_state,
+                                       attn_mask, dropout_p, is_causal, scale, enable_gqa);
   AttentionInputs inputs(query, key, value, attn_mask, is_causal, scale, enable_gqa);
   const at::Tensor out_c = last_dim_contiguous(out);
   const at::Tensor grad_out_c = last_dim_contiguous(grad_out);
@@ -76,6 +76,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
   bp.out = inputs.view(out_c);
   bp.grad_out = inputs.view(grad_out_c);
   bp.lse = lse.const_data_ptr();
+  if (dropout_p > 0) {
+    const at::Tensor state = rng_state.cpu();
+    bp.fwd.dropout_p = dropout_p;
+    bp.fwd.dropout_threshold = dropout_threshold(dropout_p);
+    bp.fwd.dropout.seed = static_cast<uint64_t>(state[0].item<int64_t>());
+    bp.fwd.dropout.offset = static_cast<uint64_t>(state[1].item<int64_t>());
+  }
 
   const auto acc = query.options().dtype(lse.scalar_type());
   std::vector<int64_t> shape = inputs.outer_shape;

@@ -5,8 +5,10 @@
 // single (batch, head) still spreads over every thread. For each block of
 // queries that can see those keys it recomputes, never storing L×S:
 //   Pᵀ  = exp(K·(scale·Q)ᵀ − lse)          (masks as in the forward)
-//   dV += Pᵀ·dO
-//   dPᵀ = V·dOᵀ
+//   Zᵀ  = Pᵀ ∘ M                          (M: the forward's dropout factors,
+//                                           regenerated; Z = P without dropout)
+//   dV += Zᵀ·dO
+//   dPᵀ = (V·dOᵀ) ∘ M
 //   dSᵀ = Pᵀ ∘ (dPᵀ − D),  D = rowsum(dO ∘ O)
 //   dK += dSᵀ·Q             (times scale at the end)
 //   dQ  = dSᵀᵀ·K            (handed to the host, which sums the key blocks)
@@ -35,6 +37,8 @@ struct BackwardWorkspace {
   acc_t* lse;  // bq          log-sum-exp of the query block (+inf in padding)
   acc_t* pt;   // bkv × bq    Pᵀ
   acc_t* dst;  // bkv × bq    dPᵀ, then dSᵀ
+  acc_t* dm;   // bkv × bq    dropout factors M (when dropout is on)
+  acc_t* zt;   // bkv × bq    Zᵀ = Pᵀ ∘ M (when dropout is on)
   acc_t* k;    // bkv × dqk   widened key block
   acc_t* v;    // bkv × dv    widened value block
   acc_t* mt;   // w × bkv     mask terms (general masks)
@@ -56,6 +60,8 @@ struct BackwardWorkspace {
     lse = arena.take(bq);
     pt = arena.take(bkv * bq);
     dst = arena.take(bkv * bq);
+    dm = p.dropout_p > 0 ? arena.take(bkv * bq) : nullptr;
+    zt = p.dropout_p > 0 ? arena.take(bkv * bq) : nullptr;
     k = arena.take(bkv * dqk);
     v = arena.take(bkv * dv);
     mt = arena.take(w * round_up(bkv, w));
@@ -105,13 +111,20 @@ class BackwardKernel {
       tiles_.scores(k, ldk, cols, ws_.qt, bq, ws_.pt);
       tiles_.apply_masks(o, q0, rows, bq, k0, cols, ws_.pt, ws_.mt);
       probabilities(cols, bq);
-      // dV += Pᵀ·dO
+      const acc_t* zt = ws_.pt;
+      if (p_.dropout_p > 0) {
+        tiles_.dropout_factors(o, q0, rows, bq, k0, cols, ws_.dm);
+        std::copy(ws_.pt, ws_.pt + cols * bq, ws_.zt);
+        Tiles::scale_by(ws_.zt, ws_.dm, cols, bq);
+        zt = ws_.zt;
+      }
+      // dV += Zᵀ·dO
       gemm<acc_t, /*kRowsOfA=*/true, /*kAccumulate=*/true>(
-          cols, ws_.dv, rows, ws_.pt, bq, [&](int64_t e) { return dout + e; }, lddo, ws_.dvv,
-          ws_.dv);
-      // dPᵀ = V·dOᵀ, then dSᵀ = Pᵀ ∘ (dPᵀ − D)
+          cols, ws_.dv, rows, zt, bq, [&](int64_t e) { return dout + e; }, lddo, ws_.dvv, ws_.dv);
+      // dPᵀ = (V·dOᵀ) ∘ M, then dSᵀ = Pᵀ ∘ (dPᵀ − D)
       gemm<acc_t, /*kRowsOfA=*/true, /*kAccumulate=*/false>(
           cols, bq, Ev, v, ldv, [&](int64_t c) { return ws_.dot + c * Ev; }, nr, ws_.dst, bq);
+      if (p_.dropout_p > 0) Tiles::scale_by(ws_.dst, ws_.dm, cols, bq);
       score_gradients(cols, bq);
       // dK += dSᵀ·Q
       gemm<acc_t, /*kRowsOfA=*/true, /*kAccumulate=*/true>(

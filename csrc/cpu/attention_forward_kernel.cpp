@@ -35,6 +35,7 @@ struct ForwardWorkspace {
   acc_t* k;      // bkv × dqk   widened key block (half-precision inputs)
   acc_t* v;      // bkv × dv    widened/padded value block (when not read in place)
   acc_t* mt;     // w × bkv     mask terms of w queries (general masks)
+  acc_t* dm;     // bkv × bq    dropout factors (when dropout is on)
   acc_t* m;      // bq          running max
   acc_t* l;      // bq          running sum
   acc_t* alpha;  // bq          rescale factor of the current step
@@ -50,6 +51,7 @@ struct ForwardWorkspace {
     k = arena.take(bkv * round_up(p.dim_qk, nr));
     v = arena.take(bkv * dv);
     mt = arena.take(w * round_up(bkv, w));
+    dm = p.dropout_p > 0 ? arena.take(bkv * bq) : nullptr;
     m = arena.take(bq);
     l = arena.take(bq);
     alpha = arena.take(bq);
@@ -89,6 +91,12 @@ class ForwardKernel {
       tiles_.apply_masks(o, q0, rows, bq, k0, cols, ws_.st, ws_.mt);
       softmax_step(bq, cols);
       rescale_output(rows);
+      if (p_.dropout_p > 0) {
+        // The running sum normalises with every probability; the output
+        // accumulates only the kept ones, scaled by 1/(1 - p).
+        tiles_.dropout_factors(o, q0, rows, bq, k0, cols, ws_.dm);
+        Tiles::scale_by(ws_.st, ws_.dm, cols, bq);
+      }
       const acc_t* v = Tiles::rows_of(p_.v, o, k0, cols, p_.dim_v, true, ws_.v, &ldv);
       gemm<acc_t, /*kRowsOfA=*/false, /*kAccumulate=*/true>(
           rows, ws_.dv, cols, ws_.st, bq, [&](int64_t e) { return v + e; }, ldv, ws_.o, ws_.dv);

@@ -4,6 +4,8 @@
 // pointers, sizes and strides, no ATen types, so the kernels compile fast
 // and can be read on their own.
 
+#include "cpu/philox.h"
+
 #include <cstddef>
 #include <cstdint>
 
@@ -44,6 +46,13 @@ struct ForwardParams {
 
   double scale = 1.0;
   bool is_causal = false;  // top-left aligned: row i sees keys 0..i
+
+  // Dropout on the normalised probabilities: element (o, i, j) is kept iff
+  // its number in the stream is >= dropout_threshold, and kept ones are
+  // scaled by 1/(1 - dropout_p). Off when dropout_p == 0.
+  double dropout_p = 0.0;
+  uint32_t dropout_threshold = 0;
+  DropoutStream dropout;
 
   void* out = nullptr;  // dtype, rows at out + out_offsets[o] + i * out_row_stride
   const int64_t* out_offsets = nullptr;

@@ -210,6 +210,31 @@ class TileReader {
     }
   }
 
+  // Dropout factors of the tile, laid out like Sᵀ: dm[j·bq + i] is
+  // 1/(1 − p) where element (query q0 + i, key k0 + j) is kept, else 0
+  // (0 in padded query lanes too).
+  void dropout_factors(int64_t o, int64_t q0, int64_t rows, int64_t bq, int64_t k0, int64_t cols,
+                       acc_t* dm) const {
+    const acc_t keep = static_cast<acc_t>(1.0 / (1.0 - p_.dropout_p));
+    for (int64_t i = 0; i < bq; ++i) {
+      if (i >= rows) {
+        for (int64_t j = 0; j < cols; ++j) dm[j * bq + i] = acc_t(0);
+        continue;
+      }
+      Philox4x32 r{};
+      for (int64_t j = 0; j < cols; ++j) {
+        const int64_t key = k0 + j;
+        if (j == 0 || key % 4 == 0) r = p_.dropout.block(o, q0 + i, key / 4);
+        dm[j * bq + i] = r.v[key % 4] >= p_.dropout_threshold ? keep : acc_t(0);
+      }
+    }
+  }
+
+  // x[j·bq + c] *= dm[j·bq + c] over the tile.
+  static void scale_by(acc_t* x, const acc_t* dm, int64_t cols, int64_t bq) {
+    for (int64_t t = 0; t < cols * bq; t += w) (Vec::loadu(x + t) * Vec::loadu(dm + t)).store(x + t);
+  }
+
  private:
   // A mask value as a term added to the score: bool masks add 0 or -inf.
   static acc_t additive(bool allowed) { return allowed ? acc_t(0) : neg_inf<acc_t>(); }

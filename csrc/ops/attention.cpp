@@ -9,7 +9,7 @@
 namespace fusedmha {
 namespace {
 
-using ForwardSignature = std::tuple<at::Tensor, at::Tensor>(
+using ForwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
     double, bool, std::optional<double>, bool);
 using SdpaSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -25,8 +25,8 @@ const c10::TypedOperatorHandle<ForwardSignature>& forward_op() {
 
 using BackwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, double, bool,
-    std::optional<double>, bool);
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+    double, bool, std::optional<double>, bool);
 
 const c10::TypedOperatorHandle<BackwardSignature>& backward_op() {
   static const auto op = c10::Dispatcher::singleton()
@@ -62,7 +62,7 @@ at::Tensor scaled_dot_product_attention(const at::Tensor& query, const at::Tenso
   return sdpa_op().call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa);
 }
 
-std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& query,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward(const at::Tensor& query,
                                                      const at::Tensor& key,
                                                      const at::Tensor& value,
                                                      const std::optional<at::Tensor>& attn_mask,
@@ -75,10 +75,10 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& query,
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
     const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
-    const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
-    std::optional<double> scale, bool enable_gqa) {
-  return backward_op().call(grad_out, query, key, value, out, logsumexp, attn_mask, dropout_p,
-                            is_causal, scale, enable_gqa);
+    const at::Tensor& rng_state, const std::optional<at::Tensor>& attn_mask, double dropout_p,
+    bool is_causal, std::optional<double> scale, bool enable_gqa) {
+  return backward_op().call(grad_out, query, key, value, out, logsumexp, rng_state, attn_mask,
+                            dropout_p, is_causal, scale, enable_gqa);
 }
 
 TORCH_LIBRARY_IMPL(fusedmha, CompositeImplicitAutograd, m) {

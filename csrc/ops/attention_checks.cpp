@@ -125,9 +125,6 @@ void check_attention_inputs(const at::Tensor& query,
   }
   TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, kOp,
               ": dropout_p must be in [0, 1), got ", dropout_p);
-  TORCH_CHECK(dropout_p == 0.0, kOp,
-              ": dropout_p > 0 is not supported yet (in-kernel dropout comes with the training "
-              "support); got dropout_p=", dropout_p);
   if (scale.has_value()) {
     TORCH_CHECK(std::isfinite(*scale) && *scale >= 0.0, kOp,
                 ": scale must be a finite number >= 0, got ", *scale);
@@ -140,14 +137,19 @@ void check_attention_backward_inputs(const at::Tensor& grad_out,
                                      const at::Tensor& value,
                                      const at::Tensor& out,
                                      const at::Tensor& logsumexp,
+                                     const at::Tensor& rng_state,
                                      const std::optional<at::Tensor>& attn_mask,
                                      double dropout_p,
                                      bool is_causal,
                                      std::optional<double> scale,
                                      bool enable_gqa) {
   constexpr const char* kBwd = "fusedmha.attention_backward";
+  TORCH_CHECK(rng_state.dim() == 1 && rng_state.sym_size(0) == 2 &&
+                  rng_state.scalar_type() == at::kLong,
+              kBwd, ": expected rng_state as attention_forward returns it (int64 of shape [2]), "
+              "got ", rng_state.scalar_type(), " of shape ", shape_str(rng_state.sym_sizes()));
   check_attention_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa);
-  auto [expected_out, expected_lse] = allocate_attention_outputs(
+  auto [expected_out, expected_lse, expected_rng] = allocate_attention_outputs(
       query.to(at::kMeta), key.to(at::kMeta), value.to(at::kMeta), enable_gqa);
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"grad_out", &grad_out},
                                 {"out", &out}}) {
@@ -166,7 +168,7 @@ void check_attention_backward_inputs(const at::Tensor& grad_out,
               "), got ", logsumexp.scalar_type(), " of shape ", shape_str(logsumexp.sym_sizes()));
 }
 
-std::tuple<at::Tensor, at::Tensor> allocate_attention_outputs(const at::Tensor& query,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_attention_outputs(const at::Tensor& query,
                                                               const at::Tensor& key,
                                                               const at::Tensor& value,
                                                               bool enable_gqa) {
@@ -196,7 +198,8 @@ std::tuple<at::Tensor, at::Tensor> allocate_attention_outputs(const at::Tensor& 
     out_shape.push_back(dim_v);
     out = at::empty_symint(out_shape, query.options());
   }
-  return {out, lse};
+  at::Tensor rng_state = at::empty({2}, query.options().dtype(at::kLong));
+  return {out, lse, rng_state};
 }
 
 double attention_scale(const at::Tensor& query, std::optional<double> scale) {

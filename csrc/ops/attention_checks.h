@@ -24,13 +24,15 @@ void check_attention_inputs(const at::Tensor& query,
                             bool enable_gqa);
 
 // check_attention_inputs, plus: grad_out and out of the forward output's
-// shape and the query's dtype, logsumexp as attention_forward returned it.
+// shape and the query's dtype, logsumexp and rng_state as attention_forward
+// returned them.
 void check_attention_backward_inputs(const at::Tensor& grad_out,
                                      const at::Tensor& query,
                                      const at::Tensor& key,
                                      const at::Tensor& value,
                                      const at::Tensor& out,
                                      const at::Tensor& logsumexp,
+                                     const at::Tensor& rng_state,
                                      const std::optional<at::Tensor>& attn_mask,
                                      double dropout_p,
                                      bool is_causal,
@@ -39,7 +41,8 @@ void check_attention_backward_inputs(const at::Tensor& grad_out,
 
 // Output (..., H, L, Ev) in the query's layout, as PyTorch's SDPA returns it, and the
 // log-sum-exp (..., H, L), float32 (float64 for float64 inputs).
-std::tuple<at::Tensor, at::Tensor> allocate_attention_outputs(const at::Tensor& query,
+// Output, log-sum-exp and the dropout rng state (int64 [seed, offset]).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_attention_outputs(const at::Tensor& query,
                                                               const at::Tensor& key,
                                                               const at::Tensor& value,
                                                               bool enable_gqa);

@@ -11,7 +11,7 @@
 namespace fusedmha::ops {
 namespace {
 
-std::tuple<at::Tensor, at::Tensor> attention_forward_meta(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_meta(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
     std::optional<double> scale, bool enable_gqa) {
@@ -22,10 +22,10 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_meta(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_meta(
     const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
     const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
-    const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
-    std::optional<double> scale, bool enable_gqa) {
-  check_attention_backward_inputs(grad_out, query, key, value, out, logsumexp, attn_mask,
-                                  dropout_p, is_causal, scale, enable_gqa);
+    const at::Tensor& rng_state, const std::optional<at::Tensor>& attn_mask, double dropout_p,
+    bool is_causal, std::optional<double> scale, bool enable_gqa) {
+  check_attention_backward_inputs(grad_out, query, key, value, out, logsumexp, rng_state,
+                                  attn_mask, dropout_p, is_causal, scale, enable_gqa);
   // Contiguous, in the inputs' shapes and dtypes, as the real kernels return them.
   return {at::empty_symint(query.sym_sizes(), query.options()),
           at::empty_symint(key.sym_sizes(), key.options()),

@@ -5,19 +5,26 @@
 #include <torch/library.h>
 
 TORCH_LIBRARY(fusedmha, m) {
-  // The fused forward: output (..., H, L, Ev) and the log-sum-exp of each
-  // query row's scaled, masked scores (..., H, L), which the backward needs.
+  // The fused forward: output (..., H, L, Ev), the log-sum-exp of each
+  // query row's scaled, masked scores (..., H, L), and the dropout stream's
+  // (seed, offset) as int64[2] (drawn from the default CPU generator when
+  // dropout_p > 0): what the backward needs to recompute and replay it.
   m.def(
       "attention_forward(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, "
       "float dropout_p=0.0, bool is_causal=False, float? scale=None, bool enable_gqa=False) "
-      "-> (Tensor output, Tensor logsumexp)");
+      "-> (Tensor output, Tensor logsumexp, Tensor rng_state)");
   // Gradients of attention_forward's output with respect to query, key and
   // value (a float attn_mask gets none), recomputed tile by tile from the
   // saved output and log-sum-exp.
   m.def(
       "attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, "
-      "Tensor logsumexp, Tensor? attn_mask, float dropout_p, bool is_causal, float? scale, "
-      "bool enable_gqa) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value)");
+      "Tensor logsumexp, Tensor rng_state, Tensor? attn_mask, float dropout_p, bool is_causal, "
+      "float? scale, bool enable_gqa) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value)");
+  // Test aid: the dropout keep-mask (outer, len_q, len_kv) that a call with
+  // this rng_state and dropout_p applies; outer = batch dims x heads.
+  m.def(
+      "_dropout_keep_mask(Tensor rng_state, int outer, int len_q, int len_kv, float dropout_p) "
+      "-> Tensor");
   // torch.nn.functional.scaled_dot_product_attention's signature; a
   // composite of attention_forward (csrc/ops/attention.cpp).
   m.def(

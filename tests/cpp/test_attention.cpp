@@ -145,7 +145,7 @@ TEST(Attention, ForwardReturnsLogSumExp) {
   auto q = torch::randn({2, 3, 17, 8});
   auto k = torch::randn({2, 3, 23, 8});
   auto v = torch::randn({2, 3, 23, 8});
-  auto [out, lse] = fusedmha::attention_forward(q, k, v);
+  auto [out, lse, rng_state] = fusedmha::attention_forward(q, k, v);
   auto ref = torch::logsumexp(torch::matmul(q.to(at::kDouble), k.to(at::kDouble).transpose(-1, -2)) /
                                   std::sqrt(8.0),
                               -1);

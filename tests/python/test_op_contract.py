@@ -87,9 +87,10 @@ def test_meta_tensors_give_shapes():
     q = torch.empty(2, 4, 19, 16, device="meta")
     k = torch.empty(2, 4, 23, 16, device="meta")
     v = torch.empty(2, 4, 23, 8, device="meta")
-    out, lse = OP(q, k, v)
+    out, lse, rng = OP(q, k, v)
     assert out.shape == (2, 4, 19, 8) and out.device.type == "meta"
     assert lse.shape == (2, 4, 19) and lse.dtype == torch.float32
+    assert rng.shape == (2,) and rng.dtype == torch.int64
 
 
 def test_build_info():

@@ -149,9 +149,10 @@ def test_opcheck_with_autograd():
 
 def test_opcheck_backward_op():
     q, k, v = rand(2, 4, 19, 16), rand(2, 4, 23, 16), rand(2, 4, 23, 8)
-    out, lse = torch.ops.fusedmha.attention_forward(q, k, v)
-    torch.library.opcheck(torch.ops.fusedmha.attention_backward.default,
-                          (torch.randn_like(out), q, k, v, out, lse, None, 0.0, False, None, False))
+    for p in (0.0, 0.3):
+        out, lse, rng = torch.ops.fusedmha.attention_forward(q, k, v, dropout_p=p)
+        torch.library.opcheck(torch.ops.fusedmha.attention_backward.default,
+                              (torch.randn_like(out), q, k, v, out, lse, rng, None, p, False, None, False))
 
 
 def test_compiled_training_step():

@@ -108,11 +108,6 @@ def test_dropout_out_of_range(p):
     raises(r"dropout_p must be in \[0, 1\)", q, k, v, dropout_p=p)
 
 
-def test_dropout_not_supported_yet():
-    q, k, v = qkv()
-    raises(r"dropout_p > 0 is not supported yet", q, k, v, dropout_p=0.1)
-
-
 @pytest.mark.parametrize("scale", [-1.0, float("inf"), float("nan")])
 def test_bad_scale(scale):
     q, k, v = qkv()
@@ -137,11 +132,13 @@ def test_float_mask_requiring_grad_is_refused():
 
 def test_backward_op_checks_its_extra_inputs():
     q, k, v = qkv()
-    out, lse = torch.ops.fusedmha.attention_forward(q, k, v)
+    out, lse, rng = torch.ops.fusedmha.attention_forward(q, k, v)
     bwd = torch.ops.fusedmha.attention_backward
     with pytest.raises(RuntimeError, match=r"expected grad_out of the forward output's shape"):
-        bwd(out[:, :, :4], q, k, v, out, lse, None, 0.0, False, None, False)
+        bwd(out[:, :, :4], q, k, v, out, lse, rng, None, 0.0, False, None, False)
     with pytest.raises(RuntimeError, match=r"expected out of dtype Float"):
-        bwd(out, q, k, v, out.double(), lse, None, 0.0, False, None, False)
+        bwd(out, q, k, v, out.double(), lse, rng, None, 0.0, False, None, False)
     with pytest.raises(RuntimeError, match=r"expected logsumexp as attention_forward returns it"):
-        bwd(out, q, k, v, out, lse.double(), None, 0.0, False, None, False)
+        bwd(out, q, k, v, out, lse.double(), rng, None, 0.0, False, None, False)
+    with pytest.raises(RuntimeError, match=r"expected rng_state as attention_forward returns it"):
+        bwd(out, q, k, v, out, lse, rng[:1], None, 0.0, False, None, False)

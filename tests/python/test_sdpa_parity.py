@@ -84,7 +84,7 @@ def test_fully_masked_rows_are_zero(kind):
     assert torch.equal(out[:, :, 5], torch.zeros_like(out[:, :, 5]))
     assert torch.equal(out[1, 2], torch.zeros_like(out[1, 2]))
     assert_attention_close(out, q, k, v, attn_mask=mask)
-    _, lse = torch.ops.fusedmha.attention_forward(q, k, v, mask)
+    _, lse, _ = torch.ops.fusedmha.attention_forward(q, k, v, mask)
     assert torch.isinf(lse[:, :, 5]).all() and (lse[:, :, 5] > 0).all()
 
 
@@ -189,7 +189,7 @@ def test_matches_pytorch_positional_and_keyword_calls():
 
 def test_cpp_op_and_functional_agree():
     q, k, v = rand(2, 4, 19, 16), rand(2, 4, 23, 16), rand(2, 4, 23, 8)
-    out, lse = torch.ops.fusedmha.attention_forward(q, k, v)
+    out, lse, _ = torch.ops.fusedmha.attention_forward(q, k, v)
     assert torch.equal(out, sdpa(q, k, v))
     assert lse.shape == (2, 4, 19) and lse.dtype == torch.float32
     ref_lse = torch.logsumexp((q.double() @ k.double().transpose(-1, -2)) / 4.0, dim=-1)

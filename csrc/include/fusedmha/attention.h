@@ -26,11 +26,13 @@ FUSEDMHA_API at::Tensor scaled_dot_product_attention(
     std::optional<double> scale = std::nullopt,
     bool enable_gqa = false);
 
-// The forward op itself (fusedmha::attention_forward): returns the output
-// and the per-row log-sum-exp of the scaled, masked scores, shape
-// (..., H, L), float32 (float64 for float64 inputs); +inf for rows with no
-// key to attend to.
-FUSEDMHA_API std::tuple<at::Tensor, at::Tensor> attention_forward(
+// The forward op itself (fusedmha::attention_forward): returns the output,
+// the per-row log-sum-exp of the scaled, masked scores, shape (..., H, L),
+// float32 (float64 for float64 inputs; +inf for rows with no key to attend
+// to), and the dropout rng state, int64 [seed, offset] (drawn from the
+// default CPU generator when dropout_p > 0, so torch::manual_seed makes runs
+// repeatable).
+FUSEDMHA_API std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward(
     const at::Tensor& query,
     const at::Tensor& key,
     const at::Tensor& value,
@@ -51,6 +53,7 @@ FUSEDMHA_API std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& value,
     const at::Tensor& out,
     const at::Tensor& logsumexp,
+    const at::Tensor& rng_state,
     const std::optional<at::Tensor>& attn_mask = std::nullopt,
     double dropout_p = 0.0,
     bool is_causal = false,
