@@ -1,5 +1,6 @@
 """Forward + backward attention on CPU, side by side in one process: fusedmha vs PyTorch's
-F.scaled_dot_product_attention, timed in alternation (median per step). Prints time,
+F.scaled_dot_product_attention (its fused flash kernel; with dropout, its unfused math path),
+timed in alternation (median per step), plain, causal and with dropout 0.1. Prints time,
 GFLOP/s (FlashAttention's convention: 4·B·H·L·S·E forward × 3.5 for forward + backward,
 halved when causal) and the ratio (>1 = fusedmha faster), then the peak extra memory of one
 forward + backward at 16k.
@@ -33,7 +34,7 @@ def train_step(sdpa, q, k, v, grad_out, **kw):
 def run_speed(lengths, dtypes, shapes, E, min_time):
     print(f"threads={torch.get_num_threads()} isa={fusedmha.build_info()['cpu_isa_in_use']} "
           f"torch={torch.__version__} E={E}   forward + backward")
-    header = (f"{'dtype':9s} {'B':>2s} {'H':>2s} {'L=S':>6s} {'causal':>6s} {'fusedmha ms':>12s} {'GFLOP/s':>8s} "
+    header = (f"{'dtype':9s} {'B':>2s} {'H':>2s} {'L=S':>6s} {'variant':>11s} {'fusedmha ms':>12s} {'GFLOP/s':>8s} "
               f"{'torch ms':>10s} {'GFLOP/s':>8s} {'vs torch':>9s}")
     print(header)
     print("-" * len(header))
@@ -42,11 +43,13 @@ def run_speed(lengths, dtypes, shapes, E, min_time):
             for L in lengths:
                 q, k, v = (torch.randn(B, H, L, E, dtype=dtype, requires_grad=True) for _ in range(3))
                 grad_out = torch.randn(B, H, L, E, dtype=dtype)
-                for causal in (False, True):
-                    fns = [train_step(f, q, k, v, grad_out, is_causal=causal) for f in IMPLEMENTATIONS.values()]
+                for variant, kw in [("plain", {}), ("causal", {"is_causal": True}),
+                                    ("dropout 0.1", {"dropout_p": 0.1})]:
+                    causal = variant == "causal"
+                    fns = [train_step(f, q, k, v, grad_out, **kw) for f in IMPLEMENTATIONS.values()]
                     t_f, t_t = time_interleaved(fns, min_time)
                     flops = 3.5 * attention_flops(B, H, L, L, E, causal)
-                    print(f"{str(dtype).replace('torch.', ''):9s} {B:2d} {H:2d} {L:6d} {str(causal):>6s} "
+                    print(f"{str(dtype).replace('torch.', ''):9s} {B:2d} {H:2d} {L:6d} {variant:>11s} "
                           f"{t_f * 1e3:12.2f} {flops / t_f / 1e9:8.1f} {t_t * 1e3:10.2f} {flops / t_t / 1e9:8.1f} "
                           f"{t_t / t_f:8.2f}x", flush=True)
 

@@ -24,9 +24,11 @@ def scaled_dot_product_attention(
     ``is_causal``: top-left aligned causal mask, no tensor built. ``scale`` defaults to
     ``1/sqrt(E)``. ``enable_gqa``: H may be a multiple of H_kv (K/V are not copied).
 
-    A query row whose keys are all masked gets 0 (as in PyTorch 2.15), never NaN.
-    Differences from PyTorch: ``dropout_p`` must be 0 for now; ``scale`` must be finite
-    and >= 0; a NaN or +inf score makes its row NaN.
+    ``dropout_p`` is applied inside the fused kernel (a Philox stream seeded from PyTorch's
+    default generator, replayed by the backward). Differentiable with respect to query, key
+    and value. A query row whose keys are all masked gets 0 (as in PyTorch 2.15), never NaN.
+    Differences from PyTorch: ``scale`` must be finite and >= 0; a NaN or +inf score makes
+    its row NaN; a float mask that requires grad is refused.
     """
     return torch.ops.fusedmha.scaled_dot_product_attention(
         query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
