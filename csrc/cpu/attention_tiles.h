@@ -55,8 +55,10 @@ constexpr acc_t neg_inf() { return -std::numeric_limits<acc_t>::infinity(); }
 //  - kRowsOfA: row i of a is a + i·lda (e.g. Sᵀ = K·Qᵀ with a = rows of K)
 //  - otherwise a is given by its columns: element (i, t) at a[t·lda + i]
 //    (e.g. O += P·V with P held as Pᵀ).
+// Always inlined: compiled out of line, GCC keeps the accumulator arrays in
+// memory (a store per FMA pair) instead of registers.
 template <typename acc_t, int64_t M, bool kRowsOfA, bool kAccumulate>
-inline void microkernel(const acc_t* a, int64_t lda, const acc_t* b, int64_t b_step, int64_t n,
+__attribute__((always_inline)) inline void microkernel(const acc_t* a, int64_t lda, const acc_t* b, int64_t b_step, int64_t n,
                         acc_t* c, int64_t ldc) {
   using Vec = Vectorized<acc_t>;
   constexpr int64_t w = Vec::size();
