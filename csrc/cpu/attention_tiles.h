@@ -217,17 +217,22 @@ class TileReader {
   // (0 in padded query lanes too).
   void dropout_factors(int64_t o, int64_t q0, int64_t rows, int64_t bq, int64_t k0, int64_t cols,
                        acc_t* dm) const {
+    constexpr int kLanes = 8;  // Philox blocks per batch: 32 columns
     const acc_t keep = static_cast<acc_t>(1.0 / (1.0 - p_.dropout_p));
+    const uint32_t threshold = p_.dropout_threshold;
+    uint32_t r[4 * kLanes];
     for (int64_t i = 0; i < bq; ++i) {
       if (i >= rows) {
         for (int64_t j = 0; j < cols; ++j) dm[j * bq + i] = acc_t(0);
         continue;
       }
-      Philox4x32 r{};
-      for (int64_t j = 0; j < cols; ++j) {
-        const int64_t key = k0 + j;
-        if (j == 0 || key % 4 == 0) r = p_.dropout.block(o, q0 + i, key / 4);
-        dm[j * bq + i] = r.v[key % 4] >= p_.dropout_threshold ? keep : acc_t(0);
+      // Batches of 32 columns aligned to the stream's 4-column blocks.
+      for (int64_t key = k0 / 4 * 4; key < k0 + cols; key += 4 * kLanes) {
+        p_.dropout.columns<kLanes>(o, q0 + i, key / 4, r);
+        const int64_t lo = std::max(key, k0), hi = std::min(key + 4 * kLanes, k0 + cols);
+        for (int64_t g = lo; g < hi; ++g) {
+          dm[(g - k0) * bq + i] = r[g - key] >= threshold ? keep : acc_t(0);
+        }
       }
     }
   }
