@@ -15,6 +15,10 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -112,6 +116,64 @@ inline void gemm(int64_t m, int64_t ncols, int64_t n, const acc_t* a, int64_t ld
                                                      b_step, n, c + i * ldc + col, ldc);
     }
   }
+}
+
+// The dropout stream's numbers for 4·kLanes consecutive columns 4·j4.. of
+// row (o, i): out[c] for column 4·j4 + c. The rounds of philox4x32_10 (see
+// cpu/philox.h) over kLanes blocks at once, 32-bit words in 64-bit lanes so
+// the 32×32→64-bit products are single vector multiplies (vpmuludq).
+template <int kLanes>
+inline void philox_columns(const DropoutStream& stream, int64_t o, int64_t i, int64_t j4,
+                           uint32_t out[4 * kLanes]) {
+  constexpr uint32_t kWeyl0 = 0x9E3779B9u, kWeyl1 = 0xBB67AE85u;
+  uint32_t k0 = static_cast<uint32_t>(stream.seed), k1 = static_cast<uint32_t>(stream.seed >> 32);
+#if defined(__AVX2__)
+  static_assert(kLanes % 4 == 0);
+  constexpr int V = kLanes / 4;
+  const __m256i low = _mm256_set1_epi64x(0xFFFFFFFFll);
+  const __m256i mul0 = _mm256_set1_epi64x(0xD2511F53ll), mul1 = _mm256_set1_epi64x(0xCD9E8D57ll);
+  __m256i c0[V], c1[V], c2[V], c3[V];
+  for (int v = 0; v < V; ++v) {
+    c0[v] = _mm256_add_epi64(_mm256_set1_epi64x(static_cast<uint32_t>(j4) + 4ll * v),
+                             _mm256_set_epi64x(3, 2, 1, 0));
+    c0[v] = _mm256_and_si256(c0[v], low);
+    c1[v] = _mm256_set1_epi64x(static_cast<uint32_t>(i));
+    c2[v] = _mm256_set1_epi64x(static_cast<uint32_t>(o));
+    c3[v] = _mm256_set1_epi64x(stream.counter3(o));
+  }
+  for (int round = 0; round < 10; ++round) {
+    const __m256i key0 = _mm256_set1_epi64x(k0), key1 = _mm256_set1_epi64x(k1);
+    for (int v = 0; v < V; ++v) {
+      const __m256i p0 = _mm256_mul_epu32(c0[v], mul0);
+      const __m256i p1 = _mm256_mul_epu32(c2[v], mul1);
+      c0[v] = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(p1, 32), c1[v]), key0);
+      c2[v] = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(p0, 32), c3[v]), key1);
+      c1[v] = _mm256_and_si256(p1, low);
+      c3[v] = _mm256_and_si256(p0, low);
+    }
+    k0 += kWeyl0;
+    k1 += kWeyl1;
+  }
+  alignas(32) uint64_t words[4][kLanes];
+  for (int v = 0; v < V; ++v) {
+    _mm256_store_si256(reinterpret_cast<__m256i*>(words[0] + 4 * v), c0[v]);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(words[1] + 4 * v), c1[v]);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(words[2] + 4 * v), c2[v]);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(words[3] + 4 * v), c3[v]);
+  }
+  for (int l = 0; l < kLanes; ++l) {
+    for (int w = 0; w < 4; ++w) out[4 * l + w] = static_cast<uint32_t>(words[w][l]);
+  }
+#else
+  (void)k0;
+  (void)k1;
+  (void)kWeyl0;
+  (void)kWeyl1;
+  for (int l = 0; l < kLanes; ++l) {
+    const Philox4x32 r = stream.block(o, i, j4 + l);
+    for (int w = 0; w < 4; ++w) out[4 * l + w] = r.v[w];
+  }
+#endif
 }
 
 // Carves a thread's scratch memory into arrays; with a null base it only
@@ -228,7 +290,7 @@ class TileReader {
       }
       // Batches of 32 columns aligned to the stream's 4-column blocks.
       for (int64_t key = k0 / 4 * 4; key < k0 + cols; key += 4 * kLanes) {
-        p_.dropout.columns<kLanes>(o, q0 + i, key / 4, r);
+        philox_columns<kLanes>(p_.dropout, o, q0 + i, key / 4, r);
         const int64_t lo = std::max(key, k0), hi = std::min(key + 4 * kLanes, k0 + cols);
         for (int64_t g = lo; g < hi; ++g) {
           dm[(g - k0) * bq + i] = r[g - key] >= threshold ? keep : acc_t(0);

@@ -3,7 +3,9 @@
 // Philox 4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2,
 // 3", SC'11): a counter-based generator, so any element's random number is a
 // pure function of (key, counter) and the backward regenerates the forward's
-// dropout mask without storing it. Plain C++, host and (later) device alike.
+// dropout mask without storing it. Plain C++, host and (later) device alike;
+// the CPU kernels use a vectorised copy of the same rounds
+// (philox_columns in cpu/attention_tiles.h), which tests check against this.
 
 #include <cstdint>
 
@@ -32,45 +34,6 @@ inline Philox4x32 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t 
   return {{c0, c1, c2, c3}};
 }
 
-// kLanes independent Philox blocks at once, counters (c0[l], c1, c2, c3):
-// written as plain loops over the lanes so that the compiler vectorises them
-// (the 32×32→64-bit products map to vector multiplies).
-template <int kLanes>
-inline void philox4x32_10_lanes(const uint32_t* c0_in, uint32_t c1_in, uint32_t c2_in,
-                                uint32_t c3_in, uint32_t key0, uint32_t key1,
-                                uint32_t out[4][kLanes]) {
-  constexpr uint32_t kMul0 = 0xD2511F53u, kMul1 = 0xCD9E8D57u;
-  constexpr uint32_t kWeyl0 = 0x9E3779B9u, kWeyl1 = 0xBB67AE85u;
-  uint32_t c0[kLanes], c1[kLanes], c2[kLanes], c3[kLanes];
-  for (int l = 0; l < kLanes; ++l) {
-    c0[l] = c0_in[l];
-    c1[l] = c1_in;
-    c2[l] = c2_in;
-    c3[l] = c3_in;
-  }
-  uint32_t k0 = key0, k1 = key1;
-  for (int round = 0; round < 10; ++round) {
-    for (int l = 0; l < kLanes; ++l) {
-      const uint64_t p0 = static_cast<uint64_t>(kMul0) * c0[l];
-      const uint64_t p1 = static_cast<uint64_t>(kMul1) * c2[l];
-      const uint32_t n0 = static_cast<uint32_t>(p1 >> 32) ^ c1[l] ^ k0;
-      const uint32_t n2 = static_cast<uint32_t>(p0 >> 32) ^ c3[l] ^ k1;
-      c1[l] = static_cast<uint32_t>(p1);
-      c3[l] = static_cast<uint32_t>(p0);
-      c0[l] = n0;
-      c2[l] = n2;
-    }
-    k0 += kWeyl0;
-    k1 += kWeyl1;
-  }
-  for (int l = 0; l < kLanes; ++l) {
-    out[0][l] = c0[l];
-    out[1][l] = c1[l];
-    out[2][l] = c2[l];
-    out[3][l] = c3[l];
-  }
-}
-
 // The dropout stream of fusedmha: element (outer index o, query row i, key
 // column j) of an attention call with rng state (seed, offset) is kept iff
 // its 32-bit number is >= threshold(p). One Philox call covers 4 consecutive
@@ -83,20 +46,6 @@ struct DropoutStream {
     return philox4x32_10(static_cast<uint32_t>(j4), static_cast<uint32_t>(i),
                          static_cast<uint32_t>(o), counter3(o), static_cast<uint32_t>(seed),
                          static_cast<uint32_t>(seed >> 32));
-  }
-
-  // The numbers of 4·kLanes consecutive columns 4·j4_first.. of row (o, i):
-  // out[c] for column 4·j4_first + c.
-  template <int kLanes>
-  void columns(int64_t o, int64_t i, int64_t j4_first, uint32_t out[4 * kLanes]) const {
-    uint32_t c0[kLanes], r[4][kLanes];
-    for (int l = 0; l < kLanes; ++l) c0[l] = static_cast<uint32_t>(j4_first + l);
-    philox4x32_10_lanes<kLanes>(c0, static_cast<uint32_t>(i), static_cast<uint32_t>(o),
-                                counter3(o), static_cast<uint32_t>(seed),
-                                static_cast<uint32_t>(seed >> 32), r);
-    for (int l = 0; l < kLanes; ++l) {
-      for (int w = 0; w < 4; ++w) out[4 * l + w] = r[w][l];
-    }
   }
 
   // The counter's last word: the call's offset, mixed with the outer index's
