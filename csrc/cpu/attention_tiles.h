@@ -118,26 +118,27 @@ inline void gemm(int64_t m, int64_t ncols, int64_t n, const acc_t* a, int64_t ld
   }
 }
 
-// The dropout stream's numbers for 4·kLanes consecutive columns 4·j4.. of
-// row (o, i): out[c] for column 4·j4 + c. The rounds of philox4x32_10 (see
-// cpu/philox.h) over kLanes blocks at once, 32-bit words in 64-bit lanes so
-// the 32×32→64-bit products are single vector multiplies (vpmuludq).
+// The dropout stream's numbers of the 4 columns 4·j4.. for kLanes
+// consecutive rows i.. of outer index o: out[c][l] for column 4·j4 + c, row
+// i + l. The rounds of philox4x32_10 (cpu/philox.h) over kLanes blocks at
+// once, 32-bit words in 64-bit lanes so the 32×32→64-bit products are single
+// vector multiplies (vpmuludq).
 template <int kLanes>
-inline void philox_columns(const DropoutStream& stream, int64_t o, int64_t i, int64_t j4,
-                           uint32_t out[4 * kLanes]) {
-  constexpr uint32_t kWeyl0 = 0x9E3779B9u, kWeyl1 = 0xBB67AE85u;
-  uint32_t k0 = static_cast<uint32_t>(stream.seed), k1 = static_cast<uint32_t>(stream.seed >> 32);
+inline void philox_rows(const DropoutStream& stream, int64_t o, int64_t i, int64_t j4,
+                        uint32_t out[4][kLanes]) {
 #if defined(__AVX2__)
   static_assert(kLanes % 4 == 0);
   constexpr int V = kLanes / 4;
+  constexpr uint32_t kWeyl0 = 0x9E3779B9u, kWeyl1 = 0xBB67AE85u;
+  uint32_t k0 = static_cast<uint32_t>(stream.seed), k1 = static_cast<uint32_t>(stream.seed >> 32);
   const __m256i low = _mm256_set1_epi64x(0xFFFFFFFFll);
   const __m256i mul0 = _mm256_set1_epi64x(0xD2511F53ll), mul1 = _mm256_set1_epi64x(0xCD9E8D57ll);
   __m256i c0[V], c1[V], c2[V], c3[V];
   for (int v = 0; v < V; ++v) {
-    c0[v] = _mm256_add_epi64(_mm256_set1_epi64x(static_cast<uint32_t>(j4) + 4ll * v),
-                             _mm256_set_epi64x(3, 2, 1, 0));
-    c0[v] = _mm256_and_si256(c0[v], low);
-    c1[v] = _mm256_set1_epi64x(static_cast<uint32_t>(i));
+    c0[v] = _mm256_set1_epi64x(static_cast<uint32_t>(j4));
+    c1[v] = _mm256_and_si256(_mm256_add_epi64(_mm256_set1_epi64x(static_cast<uint32_t>(i) + 4ll * v),
+                                              _mm256_set_epi64x(3, 2, 1, 0)),
+                             low);
     c2[v] = _mm256_set1_epi64x(static_cast<uint32_t>(o));
     c3[v] = _mm256_set1_epi64x(stream.counter3(o));
   }
@@ -161,17 +162,13 @@ inline void philox_columns(const DropoutStream& stream, int64_t o, int64_t i, in
     _mm256_store_si256(reinterpret_cast<__m256i*>(words[2] + 4 * v), c2[v]);
     _mm256_store_si256(reinterpret_cast<__m256i*>(words[3] + 4 * v), c3[v]);
   }
-  for (int l = 0; l < kLanes; ++l) {
-    for (int w = 0; w < 4; ++w) out[4 * l + w] = static_cast<uint32_t>(words[w][l]);
+  for (int w = 0; w < 4; ++w) {
+    for (int l = 0; l < kLanes; ++l) out[w][l] = static_cast<uint32_t>(words[w][l]);
   }
 #else
-  (void)k0;
-  (void)k1;
-  (void)kWeyl0;
-  (void)kWeyl1;
   for (int l = 0; l < kLanes; ++l) {
-    const Philox4x32 r = stream.block(o, i, j4 + l);
-    for (int w = 0; w < 4; ++w) out[4 * l + w] = r.v[w];
+    const Philox4x32 r = stream.block(o, i + l, j4);
+    for (int w = 0; w < 4; ++w) out[w][l] = r.v[w];
   }
 #endif
 }
@@ -279,21 +276,23 @@ class TileReader {
   // (0 in padded query lanes too).
   void dropout_factors(int64_t o, int64_t q0, int64_t rows, int64_t bq, int64_t k0, int64_t cols,
                        acc_t* dm) const {
-    constexpr int kLanes = 8;  // Philox blocks per batch: 32 columns
+    // Eight queries at a time: each key row of dm then takes 8 contiguous
+    // factors from one batch of Philox blocks.
+    constexpr int kLanes = 8;
     const acc_t keep = static_cast<acc_t>(1.0 / (1.0 - p_.dropout_p));
     const uint32_t threshold = p_.dropout_threshold;
-    uint32_t r[4 * kLanes];
-    for (int64_t i = 0; i < bq; ++i) {
-      if (i >= rows) {
-        for (int64_t j = 0; j < cols; ++j) dm[j * bq + i] = acc_t(0);
-        continue;
-      }
-      // Batches of 32 columns aligned to the stream's 4-column blocks.
-      for (int64_t key = k0 / 4 * 4; key < k0 + cols; key += 4 * kLanes) {
-        philox_columns<kLanes>(p_.dropout, o, q0 + i, key / 4, r);
-        const int64_t lo = std::max(key, k0), hi = std::min(key + 4 * kLanes, k0 + cols);
-        for (int64_t g = lo; g < hi; ++g) {
-          dm[(g - k0) * bq + i] = r[g - key] >= threshold ? keep : acc_t(0);
+    uint32_t r[4][kLanes];
+    for (int64_t i0 = 0; i0 < bq; i0 += kLanes) {
+      const int64_t n = std::clamp<int64_t>(rows - i0, 0, kLanes);  // real queries here
+      for (int64_t key4 = k0 / 4 * 4; key4 < k0 + cols; key4 += 4) {
+        if (n > 0) philox_rows<kLanes>(p_.dropout, o, q0 + i0, key4 / 4, r);
+        for (int64_t c = 0; c < 4; ++c) {
+          const int64_t j = key4 + c - k0;
+          if (j < 0 || j >= cols) continue;
+          acc_t* d = dm + j * bq + i0;
+          for (int64_t l = 0; l < kLanes; ++l) {
+            d[l] = l < n && r[c][l] >= threshold ? keep : acc_t(0);
+          }
         }
       }
     }
