@@ -197,25 +197,12 @@ class BackwardKernel {
   BackwardWorkspace<acc_t> ws_;
 };
 
-template <typename scalar_t>
-void run_items(const BackwardParams& p, int64_t begin, int64_t end, void* workspace) {
-  using acc_t = typename AccType<scalar_t>::type;
-  BackwardKernel<scalar_t, acc_t> kernel(p, Arena<acc_t>(workspace));
-  for (int64_t item = begin; item < end; ++item) kernel.run(item);
-}
-
 template <typename acc_t>
 size_t configure(BackwardParams& bp) {
   constexpr int64_t nr = panel_width<acc_t>();
   ForwardParams& p = bp.fwd;
   p.block_q = std::min(kBlockQ, round_up(std::max<int64_t>(p.len_q, 1), nr));
-  // Key blocks as large as kMaxBlockKV, but small enough that every thread
-  // gets a few items (batch 1, one head).
-  const int64_t lkv = std::max<int64_t>(p.len_kv, 1);
-  const int64_t wanted_items = 4 * std::max<int64_t>(p.num_threads, 1);
-  const int64_t blocks_per_row = div_up(wanted_items, std::max<int64_t>(p.outer, 1));
-  p.block_kv = std::clamp(round_up(div_up(lkv, blocks_per_row), kMicroRows), kMicroRows,
-                          kMaxBlockKV);
+  p.block_kv = work_block(p.len_kv, p.outer, p.num_threads, kMicroRows, kMaxBlockKV);
   Arena<acc_t> counter(nullptr);
   BackwardWorkspace<acc_t> sizing(bp, counter);
   return counter.bytes();
@@ -228,12 +215,7 @@ size_t backward_configure(BackwardParams& p) {
 }
 
 void backward_items(const BackwardParams& p, int64_t begin, int64_t end, void* workspace) {
-  switch (p.fwd.dtype) {
-    case DType::Float32: return run_items<float>(p, begin, end, workspace);
-    case DType::Float64: return run_items<double>(p, begin, end, workspace);
-    case DType::BFloat16: return run_items<c10::BFloat16>(p, begin, end, workspace);
-    case DType::Float16: return run_items<c10::Half>(p, begin, end, workspace);
-  }
+  run_items_for_dtype<BackwardKernel>(p.fwd.dtype, p, begin, end, workspace);
 }
 
 }  // namespace CPU_CAPABILITY

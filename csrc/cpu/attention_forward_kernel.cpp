@@ -190,23 +190,11 @@ class ForwardKernel {
   ForwardWorkspace<acc_t> ws_;
 };
 
-template <typename scalar_t>
-void run_items(const ForwardParams& p, int64_t begin, int64_t end, void* workspace) {
-  using acc_t = typename AccType<scalar_t>::type;
-  ForwardKernel<scalar_t, acc_t> kernel(p, Arena<acc_t>(workspace));
-  for (int64_t item = begin; item < end; ++item) kernel.run(item);
-}
-
 template <typename acc_t>
 size_t configure(ForwardParams& p) {
   constexpr int64_t nr = panel_width<acc_t>();
-  // Query blocks as large as kMaxBlockQ, but small enough that every thread
-  // gets a few items (short sequences, batch 1).
-  const int64_t lq = std::max<int64_t>(p.len_q, 1);
-  const int64_t wanted_items = 4 * std::max<int64_t>(p.num_threads, 1);
-  const int64_t blocks_per_row = div_up(wanted_items, std::max<int64_t>(p.outer, 1));
-  p.block_q = std::clamp(round_up(div_up(lq, blocks_per_row), nr), nr, kMaxBlockQ);
-  p.block_q = std::min(p.block_q, round_up(lq, nr));
+  p.block_q = std::min(work_block(p.len_q, p.outer, p.num_threads, nr, kMaxBlockQ),
+                       round_up(std::max<int64_t>(p.len_q, 1), nr));
   p.block_kv = std::min(kBlockKV, std::max<int64_t>(p.len_kv, 1));
   Arena<acc_t> counter(nullptr);
   ForwardWorkspace<acc_t> sizing(p, counter);
@@ -220,12 +208,7 @@ size_t forward_configure(ForwardParams& p) {
 }
 
 void forward_items(const ForwardParams& p, int64_t begin, int64_t end, void* workspace) {
-  switch (p.dtype) {
-    case DType::Float32: return run_items<float>(p, begin, end, workspace);
-    case DType::Float64: return run_items<double>(p, begin, end, workspace);
-    case DType::BFloat16: return run_items<c10::BFloat16>(p, begin, end, workspace);
-    case DType::Float16: return run_items<c10::Half>(p, begin, end, workspace);
-  }
+  run_items_for_dtype<ForwardKernel>(p.dtype, p, begin, end, workspace);
 }
 
 }  // namespace CPU_CAPABILITY

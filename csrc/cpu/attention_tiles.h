@@ -173,6 +173,16 @@ inline void philox_rows(const DropoutStream& stream, int64_t o, int64_t i, int64
 #endif
 }
 
+// The block length along one dim of the work split: up to max_block, but
+// small enough that `threads` threads get a few items each over `outer`
+// rows (short sequences, batch 1, one head); a multiple of granule.
+inline int64_t work_block(int64_t len, int64_t outer, int64_t threads, int64_t granule,
+                          int64_t max_block) {
+  const int64_t per_row = div_up(4 * std::max<int64_t>(threads, 1), std::max<int64_t>(outer, 1));
+  const int64_t block = round_up(div_up(std::max<int64_t>(len, 1), per_row), granule);
+  return std::clamp(block, granule, max_block);
+}
+
 // Carves a thread's scratch memory into arrays; with a null base it only
 // counts, so the same code sizes the workspace and lays it out.
 template <typename acc_t>
@@ -190,6 +200,25 @@ class Arena {
   acc_t* base_;
   int64_t used_ = 0;
 };
+
+// Runs work items [begin, end) with Kernel<scalar_t, acc_t> for dtype, its
+// scratch carved from workspace.
+template <template <typename, typename> class Kernel, typename Params>
+void run_items_for_dtype(DType dtype, const Params& p, int64_t begin, int64_t end,
+                         void* workspace) {
+  auto run = [&](auto scalar) {
+    using scalar_t = decltype(scalar);
+    using acc_t = typename AccType<scalar_t>::type;
+    Kernel<scalar_t, acc_t> kernel(p, Arena<acc_t>(workspace));
+    for (int64_t item = begin; item < end; ++item) kernel.run(item);
+  };
+  switch (dtype) {
+    case DType::Float32: return run(float{});
+    case DType::Float64: return run(double{});
+    case DType::BFloat16: return run(c10::BFloat16{});
+    case DType::Float16: return run(c10::Half{});
+  }
+}
 
 // Reads the inputs described by ForwardParams tile by tile, in the layouts
 // the micro-kernels want, widening half precision to acc_t.
