@@ -8,7 +8,6 @@ implementation, timed in alternation (median per call). Prints time, GFLOP/s and
 
 import argparse
 import os
-import subprocess
 import sys
 
 import torch
@@ -16,7 +15,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fusedmha  # noqa: E402
-from common import attention_flops, peak_extra_memory, time_interleaved, unfused_attention  # noqa: E402
+from common import (attention_flops, peak_extra_memory, peak_memory_in_fresh_process,  # noqa: E402
+                    time_interleaved, unfused_attention)
 
 
 def run_speed(lengths, dtypes, B, H, E, min_time):
@@ -73,9 +73,8 @@ def run_memory(L, H, E):
         if name == "unfused" and scores_bytes > 2 << 30:
             print(f"  {name:12s} {scores_bytes / 2**20:9.1f} MiB for the scores alone (not run)")
             continue
-        res = subprocess.run([sys.executable, __file__, "--measure-memory", name, str(L), str(H), str(E)],
-                             check=True, capture_output=True, text=True)
-        print(f"  {name:12s} {int(res.stdout.split()[-1]) / 2**20:9.1f} MiB", flush=True)
+        extra = peak_memory_in_fresh_process(__file__, name, L, H, E)
+        print(f"  {name:12s} {extra / 2**20:9.1f} MiB", flush=True)
 
 
 def main():

@@ -10,7 +10,6 @@ forward + backward at 16k.
 
 import argparse
 import os
-import subprocess
 import sys
 
 import torch
@@ -18,7 +17,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fusedmha  # noqa: E402
-from common import attention_flops, peak_extra_memory, time_interleaved  # noqa: E402
+from common import (attention_flops, peak_extra_memory, peak_memory_in_fresh_process,  # noqa: E402
+                    time_interleaved)
 
 IMPLEMENTATIONS = {"fusedmha": fusedmha.scaled_dot_product_attention, "torch SDPA": F.scaled_dot_product_attention}
 
@@ -68,9 +68,8 @@ def run_memory(L, H, E):
     print(f"\nPeak extra memory of forward + backward, B=1 H={H} L=S={L} E={E} float32 "
           "(resident memory beyond inputs, output and gradients):")
     for name in IMPLEMENTATIONS:
-        res = subprocess.run([sys.executable, __file__, "--measure-memory", name, str(L), str(H), str(E)],
-                             check=True, capture_output=True, text=True)
-        print(f"  {name:12s} {int(res.stdout.split()[-1]) / 2**20:9.1f} MiB", flush=True)
+        extra = peak_memory_in_fresh_process(__file__, name, L, H, E)
+        print(f"  {name:12s} {extra / 2**20:9.1f} MiB", flush=True)
 
 
 def main():

@@ -2,6 +2,8 @@
 
 import gc
 import os
+import subprocess
+import sys
 import time
 
 import torch
@@ -85,3 +87,11 @@ def time_interleaved(fns, min_time=0.5, warmup=1):
             fn()
             s.append(time.perf_counter() - t)
     return [sorted(s)[len(s) // 2] for s in samples]
+
+
+def peak_memory_in_fresh_process(script, name, L, H, E):
+    """Runs `script --measure-memory name L H E` in a new interpreter (so no freed but still
+    resident pages of earlier runs are reused) and returns the bytes it prints last."""
+    res = subprocess.run([sys.executable, script, "--measure-memory", name, str(L), str(H), str(E)],
+                         check=True, capture_output=True, text=True)
+    return int(res.stdout.split()[-1])

@@ -1,0 +1,18 @@
+"""The benchmark scripts still run (a smoke run at small sizes; no timing is asserted)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.parametrize("script", ["bench_sdpa_cpu.py", "bench_sdpa_cpu_train.py"])
+def test_benchmark_smoke_run(script):
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), "--quick"],
+                         capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    assert res.returncode == 0, res.stderr
+    assert "vs torch" in res.stdout and "Peak extra memory" in res.stdout, res.stdout
+    assert "fusedmha" in res.stdout.split("Peak extra memory")[1]
