@@ -9,6 +9,7 @@ set(FUSEDMHA_SOURCES
   csrc/ops/build_info.cpp
   csrc/cpu/attention_forward.cpp
   csrc/cpu/attention_backward.cpp
+  csrc/cpu/attention_weights.cpp
   csrc/cpu/dropout_mask.cpp
   csrc/cpu/isa.cpp
   csrc/cpu/launch.cpp
@@ -17,4 +18,5 @@ set(FUSEDMHA_SOURCES
 set(FUSEDMHA_CPU_ISA_SOURCES
   csrc/cpu/attention_forward_kernel.cpp
   csrc/cpu/attention_backward_kernel.cpp
+  csrc/cpu/attention_weights_kernel.cpp
 )

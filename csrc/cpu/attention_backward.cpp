@@ -6,7 +6,6 @@
 #include "cpu/launch.h"
 #include "ops/attention_checks.h"
 
-#include <ATen/ExpandUtils.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
@@ -44,21 +43,6 @@ void add_grad_q(const BackwardParams& p, int64_t o, int64_t q0, int64_t rows, co
   }
 }
 
-// A gradient computed per output head (outer..., rows, cols), summed into
-// the shape of the input it belongs to and cast to its dtype.
-at::Tensor reduce_to_input(at::Tensor grad, const at::Tensor& input) {
-  if (input.dim() >= 3) {
-    // Query heads that share one key/value head (GQA) are adjacent.
-    const int64_t h_in = input.size(-3), h_out = grad.size(-3);
-    if (h_in != 1 && h_in != h_out) {
-      std::vector<int64_t> grouped(grad.sizes().begin(), grad.sizes().end() - 3);
-      grouped.insert(grouped.end(), {h_in, h_out / h_in, grad.size(-2), grad.size(-1)});
-      grad = grad.view(grouped).sum(-3);
-    }
-  }
-  return at::sum_to(grad, input.sizes()).to(input.scalar_type());
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
     const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
@@ -76,13 +60,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
   bp.out = inputs.view(out_c);
   bp.grad_out = inputs.view(grad_out_c);
   bp.lse = lse.const_data_ptr();
-  if (dropout_p > 0) {
-    const at::Tensor state = rng_state.cpu();
-    bp.fwd.dropout_p = dropout_p;
-    bp.fwd.dropout_threshold = dropout_threshold(dropout_p);
-    bp.fwd.dropout.seed = static_cast<uint64_t>(state[0].item<int64_t>());
-    bp.fwd.dropout.offset = static_cast<uint64_t>(state[1].item<int64_t>());
-  }
+  replay_dropout(bp.fwd, rng_state, dropout_p);
 
   const auto acc = query.options().dtype(lse.scalar_type());
   std::vector<int64_t> shape = inputs.outer_shape;
@@ -105,8 +83,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
                         [&](int64_t item, void* workspace) {
                           kernels.backward_items(bp, item, item + 1, workspace);
                         });
-  return {reduce_to_input(grad_q, query), reduce_to_input(grad_k, key),
-          reduce_to_input(grad_v, value)};
+  return {ops::reduce_to_input(grad_q, query), ops::reduce_to_input(grad_k, key),
+          ops::reduce_to_input(grad_v, value)};
 }
 
 }  // namespace

@@ -85,6 +85,19 @@ struct BackwardParams {
   void* host_state = nullptr;  // for add_grad_q
 };
 
+// The attention weights pass: the probabilities softmax(scale·Q·Kᵀ + mask)
+// (times the dropout factors when dropout is on) recomputed from the
+// forward's log-sum-exp and written out, (outer / heads_per_item, len_q,
+// len_kv) row-major in dtype. With heads_per_item = H the heads of each
+// batch index are averaged into one matrix. Work items are (outer /
+// heads_per_item, block of query rows), numbered like the forward's.
+struct WeightsParams {
+  ForwardParams fwd;          // out/out_offsets/lse of fwd are unused
+  const void* lse = nullptr;  // (outer, len_q) acc_t, as the forward wrote it
+  int64_t heads_per_item = 1;
+  void* weights = nullptr;
+};
+
 inline int64_t num_key_blocks(const BackwardParams& p) {
   return (p.fwd.len_kv + p.fwd.block_kv - 1) / p.fwd.block_kv;
 }
@@ -99,6 +112,9 @@ inline int64_t num_query_blocks(const ForwardParams& p) {
 }
 inline int64_t num_work_items(const ForwardParams& p) {
   return p.outer * num_query_blocks(p);
+}
+inline int64_t num_weights_items(const WeightsParams& p) {
+  return p.fwd.outer / p.heads_per_item * num_query_blocks(p.fwd);
 }
 
 }  // namespace fusedmha::cpu

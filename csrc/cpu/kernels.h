@@ -20,6 +20,10 @@ namespace fusedmha::cpu {
   /* Computes backward work items [begin, end) (see num_backward_items). */   \
   void backward_items(const BackwardParams& params, int64_t begin,            \
                       int64_t end, void* workspace);                           \
+  size_t weights_configure(WeightsParams& params);                             \
+  /* Computes weights work items [begin, end) (see num_weights_items). */     \
+  void weights_items(const WeightsParams& params, int64_t begin, int64_t end, \
+                     void* workspace);                                         \
   }
 
 FUSEDMHA_DECLARE_CPU_KERNELS(DEFAULT)

@@ -34,7 +34,7 @@ IsaKernels selected_kernels() {
 #define FUSEDMHA_KERNELS(LEVEL)                                                    \
   IsaKernels {                                                                     \
     LEVEL::forward_configure, LEVEL::forward_items, LEVEL::backward_configure,     \
-        LEVEL::backward_items                                                      \
+        LEVEL::backward_items, LEVEL::weights_configure, LEVEL::weights_items      \
   }
   switch (selected_isa()) {
 #if FUSEDMHA_CPU_X86
@@ -111,6 +111,15 @@ AttentionInputs::AttentionInputs(const at::Tensor& q, const at::Tensor& k, const
 MatrixView AttentionInputs::view(const at::Tensor& t) {
   offsets_.push_back(outer_offsets(t, outer_shape));
   return {t.const_data_ptr(), offsets_.back().data(), broadcast_stride(t, -2), 1};
+}
+
+void replay_dropout(ForwardParams& p, const at::Tensor& rng_state, double dropout_p) {
+  if (dropout_p <= 0) return;
+  const at::Tensor state = rng_state.cpu();
+  p.dropout_p = dropout_p;
+  p.dropout_threshold = dropout_threshold(dropout_p);
+  p.dropout.seed = static_cast<uint64_t>(state[0].item<int64_t>());
+  p.dropout.offset = static_cast<uint64_t>(state[1].item<int64_t>());
 }
 
 int64_t available_threads() {

@@ -21,6 +21,8 @@ struct IsaKernels {
   void (*forward_items)(const ForwardParams&, int64_t, int64_t, void*);
   size_t (*backward_configure)(BackwardParams&);
   void (*backward_items)(const BackwardParams&, int64_t, int64_t, void*);
+  size_t (*weights_configure)(WeightsParams&);
+  void (*weights_items)(const WeightsParams&, int64_t, int64_t, void*);
 };
 
 // The kernels of the ISA level selected now (see isa.h).
@@ -52,6 +54,11 @@ struct AttentionInputs {
  private:
   std::vector<std::vector<int64_t>> offsets_;
 };
+
+// Sets p's dropout fields to replay the stream a forward call drew
+// (rng_state as attention_forward returned it); leaves dropout off when
+// dropout_p is 0.
+void replay_dropout(ForwardParams& p, const at::Tensor& rng_state, double dropout_p);
 
 // Runs items [0, n_items) on the intra-op threads, each thread with its own
 // workspace of workspace_bytes (64-byte aligned). Items are handed out one at

@@ -35,6 +35,17 @@ const c10::TypedOperatorHandle<BackwardSignature>& backward_op() {
   return op;
 }
 
+using WeightsSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                    const at::Tensor&, const std::optional<at::Tensor>&, double,
+                                    bool, std::optional<double>, bool, bool);
+
+const c10::TypedOperatorHandle<WeightsSignature>& weights_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("fusedmha::attention_weights", "")
+                             .typed<WeightsSignature>();
+  return op;
+}
+
 const c10::TypedOperatorHandle<SdpaSignature>& sdpa_op() {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("fusedmha::scaled_dot_product_attention", "")
@@ -79,6 +90,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     bool is_causal, std::optional<double> scale, bool enable_gqa) {
   return backward_op().call(grad_out, query, key, value, out, logsumexp, rng_state, attn_mask,
                             dropout_p, is_causal, scale, enable_gqa);
+}
+
+at::Tensor attention_weights(const at::Tensor& query, const at::Tensor& key,
+                             const at::Tensor& logsumexp, const at::Tensor& rng_state,
+                             const std::optional<at::Tensor>& attn_mask, double dropout_p,
+                             bool is_causal, std::optional<double> scale, bool enable_gqa,
+                             bool average_heads) {
+  return weights_op().call(query, key, logsumexp, rng_state, attn_mask, dropout_p, is_causal,
+                           scale, enable_gqa, average_heads);
 }
 
 TORCH_LIBRARY_IMPL(fusedmha, CompositeImplicitAutograd, m) {

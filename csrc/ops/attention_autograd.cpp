@@ -1,6 +1,9 @@
-// Autograd for fusedmha::attention_forward, registered once, in C++, so C++
-// callers train exactly like Python ones. The backward is its own op
-// (fusedmha::attention_backward) with its own kernels.
+// Autograd for the fusedmha ops, registered once, in C++, so C++ callers
+// train exactly like Python ones. The forward's backward is its own op
+// (fusedmha::attention_backward) with its own kernels; the attention
+// weights' backward is composed of ATen ops (it is O(L·S) like the weights).
+
+#include "ops/attention_checks.h"
 
 #include <fusedmha/attention.h>
 
@@ -13,26 +16,52 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+// The non-tensor arguments of an attention call, kept for its backward.
+struct AttentionCall {
+  std::optional<at::Tensor> attn_mask;
+  double dropout_p;
+  bool is_causal;
+  std::optional<double> scale;
+  bool enable_gqa;
+
+  void save(AutogradContext* ctx) const {
+    ctx->saved_data["attn_mask"] = attn_mask.has_value() ? c10::IValue(*attn_mask) : c10::IValue();
+    ctx->saved_data["dropout_p"] = dropout_p;
+    ctx->saved_data["is_causal"] = is_causal;
+    ctx->saved_data["scale"] = scale.has_value() ? c10::IValue(*scale) : c10::IValue();
+    ctx->saved_data["enable_gqa"] = enable_gqa;
+  }
+
+  static AttentionCall load(AutogradContext* ctx) {
+    const c10::IValue& mask = ctx->saved_data["attn_mask"];
+    const c10::IValue& scale = ctx->saved_data["scale"];
+    return {mask.isNone() ? std::nullopt : std::optional<at::Tensor>(mask.toTensor()),
+            ctx->saved_data["dropout_p"].toDouble(), ctx->saved_data["is_causal"].toBool(),
+            scale.isNone() ? std::nullopt : std::optional<double>(scale.toDouble()),
+            ctx->saved_data["enable_gqa"].toBool()};
+  }
+};
+
+void check_mask_needs_no_grad(const std::optional<at::Tensor>& attn_mask) {
+  TORCH_CHECK(!attn_mask.has_value() || !attn_mask->requires_grad(),
+              "fusedmha.scaled_dot_product_attention: gradients with respect to a float "
+              "attn_mask are not supported; pass attn_mask.detach()");
+}
+
 class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& query,
                                const at::Tensor& key, const at::Tensor& value,
                                const std::optional<at::Tensor>& attn_mask, double dropout_p,
                                bool is_causal, std::optional<double> scale, bool enable_gqa) {
-    TORCH_CHECK(!attn_mask.has_value() || !attn_mask->requires_grad(),
-                "fusedmha.scaled_dot_product_attention: gradients with respect to a float "
-                "attn_mask are not supported; pass attn_mask.detach()");
+    check_mask_needs_no_grad(attn_mask);
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [out, lse, rng_state] = fusedmha::attention_forward(query, key, value, attn_mask,
                                                              dropout_p, is_causal, scale,
                                                              enable_gqa);
     ctx->mark_non_differentiable({lse, rng_state});
     ctx->save_for_backward({query, key, value, out, lse, rng_state});
-    ctx->saved_data["attn_mask"] = attn_mask.has_value() ? c10::IValue(*attn_mask) : c10::IValue();
-    ctx->saved_data["dropout_p"] = dropout_p;
-    ctx->saved_data["is_causal"] = is_causal;
-    ctx->saved_data["scale"] = scale.has_value() ? c10::IValue(*scale) : c10::IValue();
-    ctx->saved_data["enable_gqa"] = enable_gqa;
+    AttentionCall{attn_mask, dropout_p, is_causal, scale, enable_gqa}.save(ctx);
     return {out, lse, rng_state};
   }
 
@@ -40,14 +69,10 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor& out = saved[3];
     const at::Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(out);
-    const c10::IValue& mask = ctx->saved_data["attn_mask"];
-    const c10::IValue& scale = ctx->saved_data["scale"];
+    const AttentionCall call = AttentionCall::load(ctx);
     auto [dq, dk, dv] = fusedmha::attention_backward(
-        grad_out, saved[0], saved[1], saved[2], out, saved[4], saved[5],
-        mask.isNone() ? std::nullopt : std::optional<at::Tensor>(mask.toTensor()),
-        ctx->saved_data["dropout_p"].toDouble(), ctx->saved_data["is_causal"].toBool(),
-        scale.isNone() ? std::nullopt : std::optional<double>(scale.toDouble()),
-        ctx->saved_data["enable_gqa"].toBool());
+        grad_out, saved[0], saved[1], saved[2], out, saved[4], saved[5], call.attn_mask,
+        call.dropout_p, call.is_causal, call.scale, call.enable_gqa);
     return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
@@ -76,6 +101,73 @@ class AttentionBackwardFunction : public torch::autograd::Function<AttentionBack
   }
 };
 
+// The weights W = P∘K (P the probabilities, K the dropout's keep factors,
+// all ones without dropout), averaged over heads or not. With G the
+// gradient of W per head, the softmax backward gives the gradient of the
+// scaled scores dS = P∘(G∘K − rowsum(G∘K∘P)) = G∘W − P∘rowsum(G∘W), so
+// the backward needs W per head and P (one more weights pass each), never
+// the keep mask itself. lse and rng_state get no gradient: the softmax
+// Jacobian already covers lse's dependence on query and key.
+class AttentionWeightsFunction : public torch::autograd::Function<AttentionWeightsFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& query,
+                               const at::Tensor& key, const at::Tensor& logsumexp,
+                               const at::Tensor& rng_state,
+                               const std::optional<at::Tensor>& attn_mask, double dropout_p,
+                               bool is_causal, std::optional<double> scale, bool enable_gqa,
+                               bool average_heads) {
+    check_mask_needs_no_grad(attn_mask);
+    at::AutoDispatchBelowADInplaceOrView guard;
+    at::Tensor weights = fusedmha::attention_weights(query, key, logsumexp, rng_state, attn_mask,
+                                                     dropout_p, is_causal, scale, enable_gqa,
+                                                     average_heads);
+    ctx->save_for_backward({query, key, logsumexp, rng_state});
+    AttentionCall{attn_mask, dropout_p, is_causal, scale, enable_gqa}.save(ctx);
+    ctx->saved_data["average_heads"] = average_heads;
+    return {weights};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list result(10);
+    if (!grads[0].defined()) return result;
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &query = saved[0], &key = saved[1], &lse = saved[2];
+    const AttentionCall call = AttentionCall::load(ctx);
+    auto weights_per_head = [&](double dropout_p) {
+      return fusedmha::attention_weights(query, key, lse, saved[3], call.attn_mask, dropout_p,
+                                         call.is_causal, call.scale, call.enable_gqa,
+                                         /*average_heads=*/false)
+          .to(lse.scalar_type());
+    };
+    const at::Tensor kept = weights_per_head(call.dropout_p);
+    const at::Tensor probs = call.dropout_p > 0 ? weights_per_head(0.0) : kept;
+    at::Tensor grad = grads[0].to(lse.scalar_type());
+    if (grad.dim() < kept.dim()) grad = grad.unsqueeze(-3).div(kept.size(-3));  // averaged heads
+    const at::Tensor grad_kept = grad.mul(kept);
+    const at::Tensor grad_scores = grad_kept.sub(probs.mul(grad_kept.sum(-1, /*keepdim=*/true)))
+                                       .mul(attention_scale(query, call.scale));
+
+    at::Tensor k = key.to(lse.scalar_type());
+    if (key.dim() >= 3 && k.size(-3) != 1 && k.size(-3) != grad_scores.size(-3)) {
+      k = k.repeat_interleave(grad_scores.size(-3) / k.size(-3), -3);  // GQA groups
+    }
+    result[0] = reduce_to_input(grad_scores.matmul(k), query);
+    result[1] =
+        reduce_to_input(grad_scores.transpose(-2, -1).matmul(query.to(lse.scalar_type())), key);
+    return result;
+  }
+};
+
+at::Tensor attention_weights_autograd(const at::Tensor& query, const at::Tensor& key,
+                                      const at::Tensor& logsumexp, const at::Tensor& rng_state,
+                                      const std::optional<at::Tensor>& attn_mask,
+                                      double dropout_p, bool is_causal,
+                                      std::optional<double> scale, bool enable_gqa,
+                                      bool average_heads) {
+  return AttentionWeightsFunction::apply(query, key, logsumexp, rng_state, attn_mask, dropout_p,
+                                         is_causal, scale, enable_gqa, average_heads)[0];
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_autograd(
     const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
     const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
@@ -101,6 +193,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_autograd(
 TORCH_LIBRARY_IMPL(fusedmha, Autograd, m) {
   m.impl("attention_forward", TORCH_FN(attention_forward_autograd));
   m.impl("attention_backward", TORCH_FN(attention_backward_autograd));
+  m.impl("attention_weights", TORCH_FN(attention_weights_autograd));
 }
 
 }  // namespace fusedmha::ops

@@ -1,5 +1,6 @@
 #include "ops/attention_checks.h"
 
+#include <ATen/ExpandUtils.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/irange.h>
 
@@ -20,6 +21,24 @@ std::string shape_str(c10::SymIntArrayRef sizes) {
 // Head count of a (..., H, rows, cols) input; a 2-D input has one head.
 c10::SymInt heads_of(const at::Tensor& t) {
   return t.dim() >= 3 ? t.sym_size(-3) : c10::SymInt(1);
+}
+
+// logsumexp and rng_state as attention_forward returned them for these inputs.
+void check_saved_state(const char* op, const at::Tensor& query, const at::Tensor& key,
+                       const at::Tensor& value, const at::Tensor& logsumexp,
+                       const at::Tensor& rng_state, bool enable_gqa) {
+  TORCH_CHECK(rng_state.dim() == 1 && rng_state.sym_size(0) == 2 &&
+                  rng_state.scalar_type() == at::kLong,
+              op, ": expected rng_state as attention_forward returns it (int64 of shape [2]), "
+              "got ", rng_state.scalar_type(), " of shape ", shape_str(rng_state.sym_sizes()));
+  const at::Tensor expected_lse = std::get<1>(allocate_attention_outputs(
+      query.to(at::kMeta), key.to(at::kMeta), value.to(at::kMeta), enable_gqa));
+  TORCH_CHECK(logsumexp.sym_sizes() == expected_lse.sym_sizes() &&
+                  logsumexp.scalar_type() == expected_lse.scalar_type() &&
+                  logsumexp.device() == query.device(),
+              op, ": expected logsumexp as attention_forward returns it (",
+              expected_lse.scalar_type(), " of shape ", shape_str(expected_lse.sym_sizes()),
+              "), got ", logsumexp.scalar_type(), " of shape ", shape_str(logsumexp.sym_sizes()));
 }
 
 }  // namespace
@@ -144,13 +163,10 @@ void check_attention_backward_inputs(const at::Tensor& grad_out,
                                      std::optional<double> scale,
                                      bool enable_gqa) {
   constexpr const char* kBwd = "fusedmha.attention_backward";
-  TORCH_CHECK(rng_state.dim() == 1 && rng_state.sym_size(0) == 2 &&
-                  rng_state.scalar_type() == at::kLong,
-              kBwd, ": expected rng_state as attention_forward returns it (int64 of shape [2]), "
-              "got ", rng_state.scalar_type(), " of shape ", shape_str(rng_state.sym_sizes()));
   check_attention_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa);
-  auto [expected_out, expected_lse, expected_rng] = allocate_attention_outputs(
-      query.to(at::kMeta), key.to(at::kMeta), value.to(at::kMeta), enable_gqa);
+  check_saved_state(kBwd, query, key, value, logsumexp, rng_state, enable_gqa);
+  const at::Tensor expected_out = std::get<0>(allocate_attention_outputs(
+      query.to(at::kMeta), key.to(at::kMeta), value.to(at::kMeta), enable_gqa));
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"grad_out", &grad_out},
                                 {"out", &out}}) {
     TORCH_CHECK(t->sym_sizes() == expected_out.sym_sizes(), kBwd, ": expected ", name,
@@ -160,12 +176,44 @@ void check_attention_backward_inputs(const at::Tensor& grad_out,
                 ": expected ", name, " of dtype ", query.scalar_type(), " on ", query.device(),
                 ", got ", t->scalar_type(), " on ", t->device());
   }
-  TORCH_CHECK(logsumexp.sym_sizes() == expected_lse.sym_sizes() &&
-                  logsumexp.scalar_type() == expected_lse.scalar_type() &&
-                  logsumexp.device() == query.device(),
-              kBwd, ": expected logsumexp as attention_forward returns it (",
-              expected_lse.scalar_type(), " of shape ", shape_str(expected_lse.sym_sizes()),
-              "), got ", logsumexp.scalar_type(), " of shape ", shape_str(logsumexp.sym_sizes()));
+}
+
+void check_attention_weights_inputs(const at::Tensor& query,
+                                    const at::Tensor& key,
+                                    const at::Tensor& logsumexp,
+                                    const at::Tensor& rng_state,
+                                    const std::optional<at::Tensor>& attn_mask,
+                                    double dropout_p,
+                                    bool is_causal,
+                                    std::optional<double> scale,
+                                    bool enable_gqa) {
+  check_attention_inputs(query, key, key, attn_mask, dropout_p, is_causal, scale, enable_gqa);
+  check_saved_state("fusedmha.attention_weights", query, key, key, logsumexp, rng_state,
+                    enable_gqa);
+}
+
+at::Tensor allocate_attention_weights(const at::Tensor& query,
+                                      const at::Tensor& key,
+                                      bool enable_gqa,
+                                      bool average_heads) {
+  std::vector<c10::SymInt> shape = attention_outer_shape(query, key, key, enable_gqa);
+  if (average_heads || std::max(query.dim(), key.dim()) == 2) shape.pop_back();
+  shape.push_back(query.sym_size(-2));
+  shape.push_back(key.sym_size(-2));
+  return at::empty_symint(shape, query.options());
+}
+
+at::Tensor reduce_to_input(at::Tensor grad, const at::Tensor& input) {
+  if (input.dim() >= 3) {
+    // Query heads that share one key/value head (GQA) are adjacent.
+    const int64_t h_in = input.size(-3), h_out = grad.size(-3);
+    if (h_in != 1 && h_in != h_out) {
+      std::vector<int64_t> grouped(grad.sizes().begin(), grad.sizes().end() - 3);
+      grouped.insert(grouped.end(), {h_in, h_out / h_in, grad.size(-2), grad.size(-1)});
+      grad = grad.view(grouped).sum(-3);
+    }
+  }
+  return at::sum_to(grad, input.sizes()).to(input.scalar_type());
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_attention_outputs(const at::Tensor& query,

@@ -39,6 +39,30 @@ void check_attention_backward_inputs(const at::Tensor& grad_out,
                                      std::optional<double> scale,
                                      bool enable_gqa);
 
+// For fusedmha::attention_weights: check_attention_inputs (key standing in
+// for value), plus logsumexp and rng_state as attention_forward returned them.
+void check_attention_weights_inputs(const at::Tensor& query,
+                                    const at::Tensor& key,
+                                    const at::Tensor& logsumexp,
+                                    const at::Tensor& rng_state,
+                                    const std::optional<at::Tensor>& attn_mask,
+                                    double dropout_p,
+                                    bool is_causal,
+                                    std::optional<double> scale,
+                                    bool enable_gqa);
+
+// The attention weights (..., H, L, S), or (..., L, S) averaged over heads,
+// contiguous, in the query's dtype.
+at::Tensor allocate_attention_weights(const at::Tensor& query,
+                                      const at::Tensor& key,
+                                      bool enable_gqa,
+                                      bool average_heads);
+
+// A gradient computed per output head (outer..., rows, cols), summed into
+// the shape of the input it belongs to (GQA groups, broadcast batch/head
+// dims) and cast to its dtype.
+at::Tensor reduce_to_input(at::Tensor grad, const at::Tensor& input);
+
 // Output (..., H, L, Ev) in the query's layout, as PyTorch's SDPA returns it, and the
 // log-sum-exp (..., H, L), float32 (float64 for float64 inputs).
 // Output, log-sum-exp and the dropout rng state (int64 [seed, offset]).

@@ -1,4 +1,4 @@
-// Meta (shape-only) kernel of fusedmha::attention_forward: fake tensors,
+// Meta (shape-only) kernels of the fusedmha ops: fake tensors,
 // torch.compile and torch.export run this. It shares the checks and the
 // output allocation with the real kernels, so shapes, strides and errors
 // agree; sizes stay symbolic.
@@ -32,11 +32,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_meta(
           at::empty_symint(value.sym_sizes(), value.options())};
 }
 
+at::Tensor attention_weights_meta(const at::Tensor& query, const at::Tensor& key,
+                                  const at::Tensor& logsumexp, const at::Tensor& rng_state,
+                                  const std::optional<at::Tensor>& attn_mask, double dropout_p,
+                                  bool is_causal, std::optional<double> scale, bool enable_gqa,
+                                  bool average_heads) {
+  check_attention_weights_inputs(query, key, logsumexp, rng_state, attn_mask, dropout_p,
+                                 is_causal, scale, enable_gqa);
+  return allocate_attention_weights(query, key, enable_gqa, average_heads);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fusedmha, Meta, m) {
   m.impl("attention_forward", TORCH_FN(attention_forward_meta));
   m.impl("attention_backward", TORCH_FN(attention_backward_meta));
+  m.impl("attention_weights", TORCH_FN(attention_weights_meta));
 }
 
 }  // namespace fusedmha::ops

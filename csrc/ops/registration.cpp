@@ -20,6 +20,14 @@ TORCH_LIBRARY(fusedmha, m) {
       "attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, "
       "Tensor logsumexp, Tensor rng_state, Tensor? attn_mask, float dropout_p, bool is_causal, "
       "float? scale, bool enable_gqa) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value)");
+  // The attention probabilities softmax(scale·Q·Kᵀ + mask) of a forward call,
+  // recomputed from its log-sum-exp, with its dropout applied (rng_state and
+  // dropout_p as given to and returned by attention_forward): (..., H, L, S),
+  // or (..., L, S) averaged over heads. MultiheadAttention's need_weights.
+  m.def(
+      "attention_weights(Tensor query, Tensor key, Tensor logsumexp, Tensor rng_state, "
+      "Tensor? attn_mask=None, float dropout_p=0.0, bool is_causal=False, float? scale=None, "
+      "bool enable_gqa=False, bool average_heads=False) -> Tensor");
   // Test aid: the dropout keep-mask (outer, len_q, len_kv) that a call with
   // this rng_state and dropout_p applies; outer = batch dims x heads.
   m.def(

@@ -18,10 +18,17 @@ ATOL_FLOOR = {
 
 def reference_attention(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
     """Attention in float64 with fusedmha's semantics (rows with no key to attend to give 0)."""
-    q, k, v = q.double(), k.double(), v.double()
+    v = v.double()
+    if enable_gqa and q.dim() >= 3:
+        v = v.repeat_interleave(q.size(-3) // v.size(-3), dim=-3)
+    return reference_probs(q, k, attn_mask, is_causal, scale, enable_gqa) @ v
+
+
+def reference_probs(q, k, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
+    """The attention probabilities in float64 (rows with no key to attend to are 0)."""
+    q, k = q.double(), k.double()
     if enable_gqa and q.dim() >= 3:
         k = k.repeat_interleave(q.size(-3) // k.size(-3), dim=-3)
-        v = v.repeat_interleave(q.size(-3) // v.size(-3), dim=-3)
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
     scores = (q @ k.transpose(-2, -1)) * scale
     L, S = q.size(-2), k.size(-2)
@@ -37,8 +44,7 @@ def reference_attention(q, k, v, attn_mask=None, is_causal=False, scale=None, en
     # Rows with no key to attend to give 0, with zero gradient: take their
     # softmax over zeros instead of all -inf (which is NaN), then drop them.
     attends = (scores > float("-inf")).any(dim=-1, keepdim=True)
-    probs = torch.softmax(torch.where(attends, scores, torch.zeros_like(scores)), dim=-1) * attends
-    return probs @ v
+    return torch.softmax(torch.where(attends, scores, torch.zeros_like(scores)), dim=-1) * attends
 
 
 def assert_attention_close(out, q, k, v, **kwargs):

@@ -60,4 +60,23 @@ FUSEDMHA_API std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     std::optional<double> scale = std::nullopt,
     bool enable_gqa = false);
 
+// The attention weights of a forward call (fusedmha::attention_weights):
+// softmax(scale·Q·Kᵀ + mask) recomputed from the logsumexp and rng_state
+// attention_forward returned, with the same dropout applied (pass the same
+// attn_mask, dropout_p, is_causal, scale and enable_gqa). Shape
+// (..., H, L, S), or (..., L, S) averaged over heads; query's dtype; rows
+// with no key to attend to are 0. Differentiable with respect to query and
+// key.
+FUSEDMHA_API at::Tensor attention_weights(
+    const at::Tensor& query,
+    const at::Tensor& key,
+    const at::Tensor& logsumexp,
+    const at::Tensor& rng_state,
+    const std::optional<at::Tensor>& attn_mask = std::nullopt,
+    double dropout_p = 0.0,
+    bool is_causal = false,
+    std::optional<double> scale = std::nullopt,
+    bool enable_gqa = false,
+    bool average_heads = false);
+
 }  // namespace fusedmha

@@ -1,0 +1,149 @@
+// The attention weights pass on the CPU, compiled once per ISA level: the
+// probabilities P = exp(scale·Q·Kᵀ + mask − lse) recomputed tile by tile
+// from the forward's log-sum-exp, dropout applied with the forward's stream,
+// and written out (optionally averaged over heads). This is what
+// MultiheadAttention's need_weights=True returns; the output itself stays
+// with the fused forward.
+//
+// One work item = one (batch index, block of query rows) when averaging
+// over heads (the heads are summed in a register-friendly tile before one
+// write), else one (batch·head, block of query rows). Tiles are held
+// transposed, Sᵀ (keys × queries), as in the forward, so the same tile
+// reader, masks and dropout code apply.
+
+#include "cpu/attention_tiles.h"
+#include "cpu/kernels.h"
+
+namespace fusedmha::cpu {
+namespace CPU_CAPABILITY {
+namespace {
+
+constexpr int64_t kMaxBlockQ = 128;
+constexpr int64_t kBlockKV = 64;
+
+// Scratch of one thread.
+template <typename acc_t>
+struct WeightsWorkspace {
+  acc_t* qt;   // bq × dqk    scaled Qᵀ in panels of nr queries
+  acc_t* st;   // bkv × bq    scores, then probabilities, transposed
+  acc_t* acc;  // bkv × bq    sum over the item's heads
+  acc_t* k;    // bkv × dqk   widened key block (half-precision inputs)
+  acc_t* mt;   // w × bkv     mask terms of w queries (general masks)
+  acc_t* dm;   // bkv × bq    dropout factors (when dropout is on)
+  acc_t* lse;  // bq          log-sum-exp of the block's queries (+inf in padded lanes)
+
+  WeightsWorkspace(const WeightsParams& wp, Arena<acc_t>& arena) {
+    constexpr int64_t nr = panel_width<acc_t>(), w = Vectorized<acc_t>::size();
+    const ForwardParams& p = wp.fwd;
+    const int64_t bq = p.block_q, bkv = p.block_kv;
+    qt = arena.take(bq * p.dim_qk);
+    st = arena.take(bkv * bq);
+    acc = arena.take(bkv * bq);
+    k = arena.take(bkv * round_up(p.dim_qk, nr));
+    mt = arena.take(w * round_up(bkv, w));
+    dm = p.dropout_p > 0 ? arena.take(bkv * bq) : nullptr;
+    lse = arena.take(bq);
+  }
+};
+
+template <typename scalar_t, typename acc_t>
+class WeightsKernel {
+ public:
+  using Vec = Vectorized<acc_t>;
+  static constexpr int64_t nr = panel_width<acc_t>();
+  static constexpr int64_t w = Vec::size();
+
+  WeightsKernel(const WeightsParams& wp, Arena<acc_t> arena)
+      : wp_(wp), p_(wp.fwd), tiles_(wp.fwd), ws_(wp, arena) {}
+
+  void run(int64_t item) {
+    const int64_t nqb = num_query_blocks(p_);
+    const int64_t group = item / nqb;  // output matrix
+    const int64_t q0 = (item % nqb) * p_.block_q;
+    const int64_t rows = std::min(p_.block_q, p_.len_q - q0);
+    const int64_t bq = round_up(rows, nr);
+    const int64_t heads = wp_.heads_per_item;
+    const acc_t head_weight = acc_t(1) / static_cast<acc_t>(heads);
+    scalar_t* out = static_cast<scalar_t*>(wp_.weights) + (group * p_.len_q + q0) * p_.len_kv;
+
+    for (int64_t k0 = 0; k0 < p_.len_kv; k0 += p_.block_kv) {
+      const int64_t cols = std::min(p_.block_kv, p_.len_kv - k0);
+      std::fill(ws_.acc, ws_.acc + cols * bq, acc_t(0));
+      // Causal (top-left): a key block entirely above the diagonal is 0.
+      const bool visible = !p_.is_causal || k0 < q0 + rows;
+      for (int64_t h = 0; visible && h < heads; ++h) {
+        add_head_tile(group * heads + h, q0, rows, bq, k0, cols, head_weight);
+      }
+      for (int64_t i = 0; i < rows; ++i) {
+        scalar_t* dst = out + i * p_.len_kv + k0;
+        for (int64_t j = 0; j < cols; ++j) dst[j] = static_cast<scalar_t>(ws_.acc[j * bq + i]);
+      }
+    }
+  }
+
+ private:
+  using Tiles = TileReader<scalar_t, acc_t>;
+
+  // acc += weight · P(o) over the tile (keys k0.., queries q0..).
+  void add_head_tile(int64_t o, int64_t q0, int64_t rows, int64_t bq, int64_t k0, int64_t cols,
+                     acc_t weight) {
+    // Q is packed per tile: once per key block and head. That is 1/block_kv
+    // of the score GEMM's work, and it keeps the scratch independent of H.
+    Tiles::pack_transposed(p_.q, o, q0, rows, bq, p_.dim_qk, static_cast<acc_t>(p_.scale),
+                           ws_.qt);
+    const acc_t* lse = static_cast<const acc_t*>(wp_.lse) + o * p_.len_q + q0;
+    std::copy(lse, lse + rows, ws_.lse);
+    std::fill(ws_.lse + rows, ws_.lse + bq, std::numeric_limits<acc_t>::infinity());
+
+    int64_t ldk;
+    const acc_t* k = Tiles::rows_of(p_.k, o, k0, cols, p_.dim_qk, false, ws_.k, &ldk);
+    tiles_.scores(k, ldk, cols, ws_.qt, bq, ws_.st);
+    tiles_.apply_masks(o, q0, rows, bq, k0, cols, ws_.st, ws_.mt);
+    if (p_.dropout_p > 0) tiles_.dropout_factors(o, q0, rows, bq, k0, cols, ws_.dm);
+
+    // exp(s − lse): a masked score (−inf) or a row with nothing to attend
+    // to (lse = +inf) gives 0, a NaN row stays NaN.
+    const Vec vweight(weight);
+    for (int64_t j = 0; j < cols; ++j) {
+      const acc_t* s = ws_.st + j * bq;
+      acc_t* a = ws_.acc + j * bq;
+      const acc_t* d = ws_.dm ? ws_.dm + j * bq : nullptr;
+      for (int64_t c = 0; c < bq; c += w) {
+        Vec prob = (Vec::loadu(s + c) - Vec::loadu(ws_.lse + c)).exp_u20() * vweight;
+        if (d) prob = prob * Vec::loadu(d + c);
+        (Vec::loadu(a + c) + prob).store(a + c);
+      }
+    }
+  }
+
+  const WeightsParams& wp_;
+  const ForwardParams& p_;
+  Tiles tiles_;
+  WeightsWorkspace<acc_t> ws_;
+};
+
+template <typename acc_t>
+size_t configure(WeightsParams& wp) {
+  constexpr int64_t nr = panel_width<acc_t>();
+  ForwardParams& p = wp.fwd;
+  p.block_q = std::min(work_block(p.len_q, p.outer / wp.heads_per_item, p.num_threads, nr,
+                                  kMaxBlockQ),
+                       round_up(std::max<int64_t>(p.len_q, 1), nr));
+  p.block_kv = std::min(kBlockKV, std::max<int64_t>(p.len_kv, 1));
+  Arena<acc_t> counter(nullptr);
+  WeightsWorkspace<acc_t> sizing(wp, counter);
+  return counter.bytes();
+}
+
+}  // namespace
+
+size_t weights_configure(WeightsParams& p) {
+  return p.fwd.dtype == DType::Float64 ? configure<double>(p) : configure<float>(p);
+}
+
+void weights_items(const WeightsParams& p, int64_t begin, int64_t end, void* workspace) {
+  run_items_for_dtype<WeightsKernel>(p.fwd.dtype, p, begin, end, workspace);
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace fusedmha::cpu

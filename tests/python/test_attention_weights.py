@@ -1,0 +1,125 @@
+"""fusedmha.attention_weights: the probabilities of a forward call, recomputed from its
+log-sum-exp (MultiheadAttention's need_weights), against a float64 reference; dropout
+consistent with the forward's output; gradients (gradcheck) and the op contract."""
+
+import pytest
+import torch
+
+from reference import reference_probs
+
+OPS = torch.ops.fusedmha
+ATOL = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 1e-2}
+
+
+def forward_and_weights(q, k, v, mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                        enable_gqa=False, average_heads=False):
+    out, lse, rng = OPS.attention_forward(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa)
+    weights = OPS.attention_weights(q, k, lse, rng, mask, dropout_p, is_causal, scale,
+                                    enable_gqa, average_heads)
+    return out, weights
+
+
+CASES = {
+    "plain": dict(q=(2, 3, 37, 16), k=(2, 3, 53, 16)),
+    "causal": dict(q=(2, 3, 70, 16), k=(2, 3, 70, 16), is_causal=True),
+    "causal_l_ne_s": dict(q=(1, 2, 9, 8), k=(1, 2, 140, 8), is_causal=True),
+    "bool_mask": dict(q=(2, 3, 37, 16), k=(2, 3, 53, 16), mask=("bool", (2, 1, 37, 53))),
+    "padding_mask": dict(q=(2, 3, 37, 16), k=(2, 3, 53, 16), mask=("bool", (2, 1, 1, 53))),
+    "float_mask": dict(q=(2, 3, 37, 16), k=(2, 3, 53, 16), mask=("float", (37, 53))),
+    "gqa": dict(q=(2, 4, 21, 8), k=(2, 2, 30, 8), enable_gqa=True),
+    "broadcast_batch": dict(q=(2, 3, 21, 8), k=(1, 3, 30, 8)),
+    "two_dim": dict(q=(21, 8), k=(30, 8)),
+    "scale": dict(q=(1, 2, 21, 8), k=(1, 2, 30, 8), scale=0.3),
+}
+
+
+def make_case(case, dtype):
+    q = torch.randn(case["q"], dtype=dtype)
+    k = torch.randn(case["k"], dtype=dtype)
+    v = torch.randn(case["k"], dtype=dtype)
+    mask = None
+    if "mask" in case:
+        kind, shape = case["mask"]
+        mask = torch.rand(shape) > 0.3 if kind == "bool" else torch.randn(shape, dtype=dtype)
+    kwargs = dict(is_causal=case.get("is_causal", False), scale=case.get("scale"),
+                  enable_gqa=case.get("enable_gqa", False))
+    return q, k, v, mask, kwargs
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("average_heads", [False, True])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_weights_match_reference(name, average_heads, dtype):
+    q, k, v, mask, kwargs = make_case(CASES[name], dtype)
+    _, weights = forward_and_weights(q, k, v, mask, average_heads=average_heads, **kwargs)
+    ref = reference_probs(q, k, mask, **kwargs)
+    if average_heads and ref.dim() > 2:
+        ref = ref.mean(-3)
+    assert weights.shape == ref.shape and weights.dtype == dtype
+    assert weights.is_contiguous()
+    torch.testing.assert_close(weights.double(), ref, atol=ATOL[dtype], rtol=0)
+
+
+def test_fully_masked_rows_are_zero():
+    q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    mask = torch.ones(4, 6, dtype=torch.bool)
+    mask[1] = False
+    _, weights = forward_and_weights(q, k, v, mask)
+    assert (weights[:, :, 1] == 0).all()
+    torch.testing.assert_close(weights[:, :, 0].sum(-1), torch.ones(1, 2))
+
+
+@pytest.mark.parametrize("average_heads", [False, True])
+def test_dropout_weights_reproduce_the_output(average_heads):
+    q, k, v = (torch.randn(2, 3, 40, 8, dtype=torch.float64) for _ in range(3))
+    out, weights = forward_and_weights(q, k, v, dropout_p=0.3)
+    torch.testing.assert_close(weights @ v, out)
+    dropped = (weights == 0).double().mean().item()
+    assert abs(dropped - 0.3) < 0.03
+    torch.manual_seed(5)
+    _, averaged = forward_and_weights(q, k, v, dropout_p=0.3, average_heads=True)
+    torch.manual_seed(5)
+    _, per_head = forward_and_weights(q, k, v, dropout_p=0.3)
+    torch.testing.assert_close(averaged, per_head.mean(1))
+
+
+GRAD_CASES = [
+    dict(),
+    dict(dropout_p=0.3),
+    dict(average_heads=True, dropout_p=0.2),
+    dict(is_causal=True, enable_gqa=True, scale=0.7, kv_heads=2),
+    dict(mask="bool"),
+]
+
+
+@pytest.mark.parametrize("case", GRAD_CASES, ids=str)
+def test_gradcheck(case):
+    case = dict(case)
+    kv_heads = case.pop("kv_heads", 4)
+    q = torch.randn(2, 4, 6, 5, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, kv_heads, 7, 5, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, kv_heads, 7, 5, dtype=torch.float64)
+    mask = torch.rand(6, 7) > 0.3 if case.pop("mask", None) else None
+
+    def weights_of(q, k):
+        torch.manual_seed(7)  # the same dropout stream on every evaluation
+        return forward_and_weights(q, k, v, mask, **case)[1]
+
+    assert torch.autograd.gradcheck(weights_of, (q, k))
+
+
+def test_opcheck():
+    q, k, v = torch.randn(2, 3, 9, 8), torch.randn(2, 3, 11, 8), torch.randn(2, 3, 11, 8)
+    q.requires_grad_()
+    _, lse, rng = OPS.attention_forward(q, k, v, None, 0.2, True)
+    torch.library.opcheck(OPS.attention_weights.default,
+                          (q, k, lse, rng, None, 0.2, True, None, False, True))
+
+
+def test_bad_logsumexp_is_refused():
+    q, k = torch.randn(2, 3, 9, 8), torch.randn(2, 3, 11, 8)
+    _, lse, rng = OPS.attention_forward(q, k, k)
+    with pytest.raises(RuntimeError, match="logsumexp"):
+        OPS.attention_weights(q, k, lse[:, :, :5], rng)
+    with pytest.raises(RuntimeError, match="rng_state"):
+        OPS.attention_weights(q, k, lse, rng.float())
