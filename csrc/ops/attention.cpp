@@ -59,6 +59,11 @@ const c10::TypedOperatorHandle<SdpaSignature>& sdpa_op() {
 at::Tensor sdpa_composite(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                           const std::optional<at::Tensor>& attn_mask, double dropout_p,
                           bool is_causal, std::optional<double> scale, bool enable_gqa) {
+  // PyTorch's rule; the op itself applies both (MultiheadAttention uses that
+  // for causal attention with a key padding mask).
+  TORCH_CHECK(!(is_causal && attn_mask.has_value()),
+              "fusedmha.scaled_dot_product_attention: an explicit attn_mask should not be set "
+              "when is_causal=True");
   return std::get<0>(forward_op().call(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                        enable_gqa));
 }

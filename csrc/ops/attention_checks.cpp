@@ -139,8 +139,6 @@ void check_attention_inputs(const at::Tensor& query,
     TORCH_CHECK(ok, kOp, ": attn_mask of shape ", shape_str(mask.sym_sizes()),
                 " is not broadcastable to the attention shape (..., H, L, S) = ",
                 shape_str(target));
-    TORCH_CHECK(!is_causal, kOp,
-                ": an explicit attn_mask should not be set when is_causal=True");
   }
   TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, kOp,
               ": dropout_p must be in [0, 1), got ", dropout_p);

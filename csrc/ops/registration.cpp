@@ -9,6 +9,8 @@ TORCH_LIBRARY(fusedmha, m) {
   // query row's scaled, masked scores (..., H, L), and the dropout stream's
   // (seed, offset) as int64[2] (drawn from the default CPU generator when
   // dropout_p > 0): what the backward needs to recompute and replay it.
+  // Unlike scaled_dot_product_attention it accepts attn_mask together with
+  // is_causal: both apply.
   m.def(
       "attention_forward(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, "
       "float dropout_p=0.0, bool is_causal=False, float? scale=None, bool enable_gqa=False) "
