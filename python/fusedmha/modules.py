@@ -188,7 +188,18 @@ class MultiheadAttention(nn.Module):
                     )
                 attn_mask = attn_mask.view(bsz, self.num_heads, tgt_len, src_len)
         if key_padding_mask is not None:
-            F._check_key_padding_mask(key_padding_mask, src_len, bsz)
+            # PyTorch's checks and messages (F._check_key_padding_mask), without the
+            # torch._check closures that torch.compile cannot trace.
+            if key_padding_mask.shape[0] != bsz:
+                raise AssertionError(
+                    f"Expected key_padded_mask.shape[0] to be {bsz}, but got "
+                    f"{key_padding_mask.shape[0]}"
+                )
+            if key_padding_mask.shape[1] != src_len:
+                raise AssertionError(
+                    f"Expected key_padded_mask.shape[1] to be {src_len}, but got "
+                    f"{key_padding_mask.shape[1]}"
+                )
             key_padding_mask = key_padding_mask.view(bsz, 1, 1, src_len)
 
         # Extra keys: the learnt bias_k/bias_v, then a zero key/value; every query sees them.
@@ -202,10 +213,11 @@ class MultiheadAttention(nn.Module):
             is_causal = False
         elif is_causal:
             attn_mask = None  # the hint: attn_mask is the causal mask
-        if self.bias_k is not None and self.bias_v is not None:
-            shape = (bsz, self.num_heads, 1, self.head_dim)
-            k = torch.cat([k, self.bias_k.view(1, self.num_heads, 1, self.head_dim).expand(shape)], 2)
-            v = torch.cat([v, self.bias_v.view(1, self.num_heads, 1, self.head_dim).expand(shape)], 2)
+        bias_k, bias_v = self.bias_k, self.bias_v
+        if bias_k is not None and bias_v is not None:
+            shape = [bsz, self.num_heads, 1, self.head_dim]
+            k = torch.cat([k, bias_k.view(1, self.num_heads, 1, self.head_dim).expand(shape)], 2)
+            v = torch.cat([v, bias_v.view(1, self.num_heads, 1, self.head_dim).expand(shape)], 2)
         if self.add_zero_attn:
             k = torch.cat([k, k.new_zeros(bsz, self.num_heads, 1, self.head_dim)], 2)
             v = torch.cat([v, v.new_zeros(bsz, self.num_heads, 1, self.head_dim)], 2)
@@ -280,7 +292,7 @@ def _pad_keys(mask: Optional[Tensor], extra: int) -> Optional[Tensor]:
     """mask with `extra` more keys that every query may attend to."""
     if mask is None:
         return None
-    return F.pad(mask, (0, extra), value=False if mask.dtype == torch.bool else 0.0)
+    return F.pad(mask, [0, extra])  # zeros: False (bool) or 0.0 (float)
 
 
 def _merge_masks(attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor],
@@ -288,17 +300,22 @@ def _merge_masks(attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor]
     """nn.MultiheadAttention's masks (bool True = masked, float added), broadcastable to
     (N, H, L, S), as one mask for the op (bool True = may attend, float added). Built only
     when both are given: (N, 1, L, S), or (N, H, L, S) for a per-head attn_mask."""
-    masks = [m for m in (attn_mask, key_padding_mask) if m is not None]
-    if len(masks) == 0:
-        return None
-    if all(m.dtype == torch.bool for m in masks):
-        merged = masks[0] if len(masks) == 1 else masks[0] | masks[1]
-        return ~merged
-    added: Optional[Tensor] = None
-    for m in masks:
-        if m.dtype == torch.bool:
-            m = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(m, float("-inf"))
-        elif m.dtype != dtype and m.dtype != torch.float32:
-            m = m.to(dtype)
-        added = m if added is None else added + m
-    return added
+    if attn_mask is None or key_padding_mask is None:
+        mask = key_padding_mask if attn_mask is None else attn_mask
+        if mask is None:
+            return None
+        return ~mask if mask.dtype == torch.bool else _additive(mask, dtype)
+    if attn_mask.dtype == torch.bool and key_padding_mask.dtype == torch.bool:
+        return ~(attn_mask | key_padding_mask)
+    return _additive(attn_mask, dtype) + _additive(key_padding_mask, dtype)
+
+
+def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """A mask as a float term added to the scores, in dtype or float32 (the op takes both)."""
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+            mask, float("-inf")
+        )
+    if mask.dtype != dtype and mask.dtype != torch.float32:
+        return mask.to(dtype)
+    return mask
