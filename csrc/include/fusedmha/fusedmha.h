@@ -4,3 +4,4 @@
 #include <fusedmha/attention.h>
 #include <fusedmha/build_info.h>
 #include <fusedmha/macros.h>
+#include <fusedmha/multihead_attention.h>
