@@ -19,10 +19,12 @@ namespace F = torch::nn::functional;
 
 constexpr const char* kModule = "fusedmha::MultiheadAttention";
 
-void check_mask_dtype(const Tensor& mask, const char* name) {
-  TORCH_CHECK(!mask.defined() || mask.scalar_type() == torch::kBool || mask.is_floating_point(),
-              kModule, ": only bool and floating types of ", name, " are supported, got ",
-              mask.scalar_type());
+void check_mask_dtype(const Tensor& mask, const char* name, torch::ScalarType query_dtype) {
+  if (!mask.defined() || mask.scalar_type() == torch::kBool) return;
+  TORCH_CHECK(mask.is_floating_point(), kModule, ": only bool and floating types of ", name,
+              " are supported, got ", mask.scalar_type());
+  TORCH_CHECK(mask.scalar_type() == query_dtype, kModule, ": expected a float ", name,
+              " of the query's dtype (", query_dtype, "), got ", mask.scalar_type());
 }
 
 // A mask with `extra` more keys that every query may attend to.
@@ -83,8 +85,8 @@ void MultiheadAttentionImpl::reset() {
   TORCH_CHECK(options.kdim() > 0 && options.vdim() > 0, kModule,
               ": kdim and vdim must be greater than 0, got ", options.kdim(), " and ",
               options.vdim());
-  TORCH_CHECK(options.dropout() >= 0.0 && options.dropout() < 1.0, kModule,
-              ": dropout must be in [0, 1), got ", options.dropout());
+  TORCH_CHECK(options.dropout() >= 0.0 && options.dropout() <= 1.0, kModule,
+              ": dropout must be in [0, 1], got ", options.dropout());
   _qkv_same_embed_dim = options.kdim() == E && options.vdim() == E;
   head_dim = E / H;
   // torch::nn::MultiheadAttention's names, order and initialisation.
@@ -185,8 +187,8 @@ std::tuple<Tensor, Tensor> MultiheadAttentionImpl::forward(
               query.dim() - 1, "-D, got ", key_padding_mask.dim(), "-D");
   TORCH_CHECK(!attn_mask.defined() || attn_mask.dim() == 2 || attn_mask.dim() == 3, kModule,
               ": expected attn_mask to be undefined, 2-D or 3-D, got ", attn_mask.dim(), "-D");
-  check_mask_dtype(key_padding_mask, "key_padding_mask");
-  check_mask_dtype(attn_mask, "attn_mask");
+  check_mask_dtype(key_padding_mask, "key_padding_mask", query.scalar_type());
+  check_mask_dtype(attn_mask, "attn_mask", query.scalar_type());
 
   Tensor q_in = query, k_in = key, v_in = value, padding = key_padding_mask;
   if (!batched) {
@@ -267,14 +269,18 @@ std::tuple<Tensor, Tensor> MultiheadAttentionImpl::forward(
   }
   const std::optional<Tensor> mask = merge_masks(mask_in, padding, q.scalar_type());
 
-  const double dropout_p = is_training() ? options.dropout() : 0.0;
+  // Dropout 1 drops every probability, as torch::dropout does (the kernels take p < 1).
+  const bool drop_all = is_training() && options.dropout() == 1.0;
+  const double dropout_p = is_training() && !drop_all ? options.dropout() : 0.0;
   auto [out, lse, rng_state] =
       fusedmha::attention_forward(q, k, v, mask, dropout_p, is_causal);
+  if (drop_all) out = out.mul(0.0);
   Tensor weights;
   if (need_weights) {
     weights = fusedmha::attention_weights(q, k, lse, rng_state, mask, dropout_p, is_causal,
                                           std::nullopt, false, average_attn_weights);
     if (!batched) weights = weights.squeeze(0);
+    if (drop_all) weights = weights.mul(0.0);
   }
   // out (N, H, L, D) follows q's layout: (N, L, H, D) or (L, N, H, D) memory.
   out = (seq_first ? out.permute({2, 0, 1, 3}) : out.transpose(1, 2)).flatten(2);

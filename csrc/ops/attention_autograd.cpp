@@ -42,8 +42,10 @@ struct AttentionCall {
   }
 };
 
+// Called before Function::apply, which runs forward with grad mode off.
 void check_mask_needs_no_grad(const std::optional<at::Tensor>& attn_mask) {
-  TORCH_CHECK(!attn_mask.has_value() || !attn_mask->requires_grad(),
+  TORCH_CHECK(!attn_mask.has_value() || !attn_mask->requires_grad() ||
+                  !at::GradMode::is_enabled(),
               "fusedmha.scaled_dot_product_attention: gradients with respect to a float "
               "attn_mask are not supported; pass attn_mask.detach()");
 }
@@ -54,7 +56,6 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
                                const at::Tensor& key, const at::Tensor& value,
                                const std::optional<at::Tensor>& attn_mask, double dropout_p,
                                bool is_causal, std::optional<double> scale, bool enable_gqa) {
-    check_mask_needs_no_grad(attn_mask);
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [out, lse, rng_state] = fusedmha::attention_forward(query, key, value, attn_mask,
                                                              dropout_p, is_causal, scale,
@@ -116,7 +117,6 @@ class AttentionWeightsFunction : public torch::autograd::Function<AttentionWeigh
                                const std::optional<at::Tensor>& attn_mask, double dropout_p,
                                bool is_causal, std::optional<double> scale, bool enable_gqa,
                                bool average_heads) {
-    check_mask_needs_no_grad(attn_mask);
     at::AutoDispatchBelowADInplaceOrView guard;
     at::Tensor weights = fusedmha::attention_weights(query, key, logsumexp, rng_state, attn_mask,
                                                      dropout_p, is_causal, scale, enable_gqa,
@@ -164,6 +164,7 @@ at::Tensor attention_weights_autograd(const at::Tensor& query, const at::Tensor&
                                       double dropout_p, bool is_causal,
                                       std::optional<double> scale, bool enable_gqa,
                                       bool average_heads) {
+  check_mask_needs_no_grad(attn_mask);
   return AttentionWeightsFunction::apply(query, key, logsumexp, rng_state, attn_mask, dropout_p,
                                          is_causal, scale, enable_gqa, average_heads)[0];
 }
@@ -183,6 +184,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_autograd(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
     std::optional<double> scale, bool enable_gqa) {
+  check_mask_needs_no_grad(attn_mask);
   auto outputs = AttentionFunction::apply(query, key, value, attn_mask, dropout_p, is_causal,
                                           scale, enable_gqa);
   return {outputs[0], outputs[1], outputs[2]};

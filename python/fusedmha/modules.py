@@ -165,11 +165,32 @@ class MultiheadAttention(nn.Module):
                 raise AssertionError(
                     f"key shape {key.shape} does not match value shape {value.shape}"
                 )
-        elif key.shape[:2] != value.shape[:2]:
-            raise AssertionError(
-                f"key's sequence and batch dims {key.shape[:2]} do not match value's "
-                f"{value.shape[:2]}"
+        else:
+            if key.shape[:2] != value.shape[:2]:
+                raise AssertionError(
+                    f"key's sequence and batch dims {key.shape[:2]} do not match value's "
+                    f"{value.shape[:2]}"
+                )
+            # F._in_projection's checks, with its messages.
+            if key.shape[-1] != self.kdim:
+                raise AssertionError(
+                    f"expecting key weights shape of {(self.embed_dim, key.shape[-1])}, but got "
+                    f"{(self.embed_dim, self.kdim)}"
+                )
+            if value.shape[-1] != self.vdim:
+                raise AssertionError(
+                    f"expecting value weights shape of {(self.embed_dim, value.shape[-1])}, but "
+                    f"got {(self.embed_dim, self.vdim)}"
+                )
+
+        if key.shape[1 - seq_dim] != bsz or value.shape[1 - seq_dim] != bsz:
+            # PyTorch fails here on a view of the projected key: the same type, clearer words.
+            raise RuntimeError(
+                f"expected key and value with the query's batch size {bsz}, got key "
+                f"{key.shape} and value {value.shape}"
             )
+        _check_mask_precision(key_padding_mask, "key_padding_mask", query.dtype)
+        _check_mask_precision(attn_mask, "attn_mask", query.dtype)
 
         q, k, v = self._project(query, key, value, seq_first)
         if attn_mask is not None:
@@ -226,7 +247,11 @@ class MultiheadAttention(nn.Module):
             key_padding_mask = _pad_keys(key_padding_mask, extra_keys)
         mask = _merge_masks(attn_mask, key_padding_mask, q.dtype)
 
-        dropout_p = self.dropout if self.training else 0.0
+        dropout_p = float(self.dropout) if self.training else 0.0
+        # dropout 1 drops every probability, as F.dropout does (the kernels take p < 1).
+        drop_all = dropout_p == 1.0
+        if drop_all:
+            dropout_p = 0.0
         out, lse, rng_state = torch.ops.fusedmha.attention_forward(
             q, k, v, mask, dropout_p, is_causal
         )
@@ -237,6 +262,10 @@ class MultiheadAttention(nn.Module):
             )
             if not is_batched:
                 weights = weights.squeeze(0)
+            if drop_all:
+                weights = weights * 0.0
+        if drop_all:
+            out = out * 0.0
 
         # out (N, H, L, D) follows q's layout: (N, L, H, D) or (L, N, H, D) memory.
         out = out.permute(2, 0, 1, 3) if seq_first else out.transpose(1, 2)
@@ -244,6 +273,33 @@ class MultiheadAttention(nn.Module):
         if not is_batched:
             out = out.squeeze(1)
         return out, weights
+
+    def merge_masks(
+        self, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], query: Tensor
+    ) -> Tuple[Optional[Tensor], Optional[int]]:
+        """nn.MultiheadAttention.merge_masks: the masks as nn.TransformerEncoderLayer's
+        inference fast path wants them (it calls this, then runs PyTorch's own fused layer
+        kernel with this module's weights). Type 0: attn_mask (L, L); 1: key_padding_mask
+        (N, L); 2: both, as (N, H, L, L)."""
+        mask_type: Optional[int] = None
+        merged: Optional[Tensor] = None
+        if key_padding_mask is not None:
+            mask_type = 1
+            merged = key_padding_mask
+        if attn_mask is not None:
+            batch_size, seq_len = query.shape[0], query.shape[1]
+            mask_type = 2
+            if attn_mask.dim() == 3:
+                merged = attn_mask.view(batch_size, -1, seq_len, seq_len)
+            else:
+                merged = attn_mask.view(1, 1, seq_len, seq_len).expand(
+                    batch_size, self.num_heads, -1, -1
+                )
+            if key_padding_mask is not None:
+                merged = merged + key_padding_mask.view(batch_size, 1, 1, seq_len).expand(
+                    -1, self.num_heads, -1, -1
+                )
+        return merged, mask_type
 
     def _project(self, query: Tensor, key: Tensor, value: Tensor, seq_first: bool):
         """The input projections as (N, H, L, D) views of the projected tensors (no
@@ -286,6 +342,17 @@ class MultiheadAttention(nn.Module):
 def _check_mask_dtype(mask: Optional[Tensor], name: str) -> None:
     if mask is not None and mask.dtype != torch.bool and not torch.is_floating_point(mask):
         raise AssertionError(f"only bool and floating types of {name} are supported")
+
+
+def _check_mask_precision(mask: Optional[Tensor], name: str, query_dtype: torch.dtype) -> None:
+    # PyTorch adds a float mask to the query's scores: one of lower precision is widened,
+    # one of higher precision (float64 for a float32 query) is an error.
+    if mask is not None and mask.dtype != torch.bool:
+        if torch.promote_types(mask.dtype, query_dtype) != query_dtype:
+            raise RuntimeError(
+                f"Expected a float {name} of the query's dtype ({query_dtype}) or lower "
+                f"precision, got {mask.dtype}"
+            )
 
 
 def _pad_keys(mask: Optional[Tensor], extra: int) -> Optional[Tensor]:
