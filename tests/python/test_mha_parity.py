@@ -1399,3 +1399,22 @@ def test_threaded_parity():
         compare_runs(mod, ref, leaves(*x), leaves(*x), kw, dict(kw), torch.float32)
     finally:
         torch.set_num_threads(n)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
+@pytest.mark.parametrize("kwargs", [dict(batch_first=True), dict(add_bias_kv=True, add_zero_attn=True),
+                                    dict(kdim=8, vdim=12)], ids=str)
+def test_torch_jit_script(kwargs):
+    """nn.MultiheadAttention is scriptable, so fusedmha's is too."""
+    ref, mod = make_pair(16, 4, **kwargs)
+    scripted = torch.jit.script(mod)
+    q, k, v = make_inputs(2, 5, 6, 16, kwargs.get("kdim", 16), kwargs.get("vdim", 16), torch.float32,
+                          True, kwargs.get("batch_first", False))
+    kpm = torch.zeros(2, 6, dtype=torch.bool)
+    kpm[0, -2:] = True
+    for need_weights in (True, False):
+        out, w = scripted(q, k, v, key_padding_mask=kpm, need_weights=need_weights)
+        out_r, w_r = ref(q, k, v, key_padding_mask=kpm, need_weights=need_weights)
+        check("scripted output", out, out_r)
+        if need_weights:
+            check("scripted weights", w, w_r)
