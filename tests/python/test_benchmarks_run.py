@@ -9,10 +9,19 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.mark.parametrize("script", ["bench_sdpa_cpu.py", "bench_sdpa_cpu_train.py"])
+@pytest.mark.parametrize("script", ["bench_sdpa_cpu.py", "bench_sdpa_cpu_train.py", "bench_mha_cpu.py"])
 def test_benchmark_smoke_run(script):
     res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), "--quick"],
                          capture_output=True, text=True, timeout=600, env=dict(os.environ))
     assert res.returncode == 0, res.stderr
     assert "vs torch" in res.stdout and "Peak extra memory" in res.stdout, res.stdout
     assert "fusedmha" in res.stdout.split("Peak extra memory")[1]
+
+
+def test_main_job_quick_run():
+    """python -m fusedmha (the README's main job): every check passes, the table prints."""
+    res = subprocess.run([sys.executable, "-m", "fusedmha", "--quick"], capture_output=True,
+                         text=True, timeout=600, env=dict(os.environ))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "FAIL" not in res.stdout and "All checks passed" in res.stdout, res.stdout
+    assert "speed-up" in res.stdout and "MHA train step" in res.stdout, res.stdout
