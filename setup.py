@@ -59,7 +59,7 @@ class CMakeBuild(build_ext):
 setup(
     version=project_version(),
     package_dir={"": "python"},
-    packages=["fusedmha"],
+    packages=["fusedmha", "fusedmha.integrations"],
     ext_modules=[Extension("fusedmha._C", sources=[])],
     cmdclass={"build_ext": CMakeBuild},
     zip_safe=False,

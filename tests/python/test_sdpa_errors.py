@@ -98,8 +98,16 @@ def test_mask_device_mismatch():
 
 
 def test_mask_with_causal():
+    """PyTorch's rule at the SDPA front door; the op itself applies both (MultiheadAttention's
+    causal attention with a key padding mask relies on it)."""
     q, k, v = qkv()
-    raises(r"attn_mask should not be set when is_causal=True", q, k, v, attn_mask=torch.ones(5, 7, dtype=torch.bool), is_causal=True)
+    mask = torch.rand(5, 7) > 0.3
+    mask[:, 0] = True
+    with pytest.raises(RuntimeError, match=r"attn_mask should not be set when is_causal=True"):
+        sdpa(q, k, v, attn_mask=mask, is_causal=True)
+    both = torch.ops.fusedmha.attention_forward(q, k, v, mask, is_causal=True)[0]
+    causal = torch.ones(5, 7, dtype=torch.bool).tril()
+    torch.testing.assert_close(both, sdpa(q, k, v, attn_mask=mask & causal))
 
 
 @pytest.mark.parametrize("p", [-0.1, 1.0, 1.5, float("nan")])

@@ -1,0 +1,1 @@
+"""Integrations of fusedmha with other libraries (each imports its library lazily)."""
