@@ -1,8 +1,12 @@
-"""Exports a model that uses fusedmha.MultiheadAttention as TorchScript, with an input and
-the output Python computes, for the C++ example to load and check:
+"""Exports a model that uses fusedmha.MultiheadAttention for C++ serving, two ways, with an
+input and the output Python computes, for the C++ example to load and check:
+
+  OUT_DIR/model.pt2   torch.export + AOTInductor (aoti_compile_and_package): compiled code
+                      that calls fusedmha's ops by name through the dispatcher
+  OUT_DIR/model.pt    TorchScript (torch.jit.script)
 
     python examples/cpp/export_scripted_model.py OUT_DIR
-    fusedmha_example OUT_DIR/model.pt OUT_DIR/input.pt OUT_DIR/expected.pt
+    fusedmha_example OUT_DIR
 """
 
 import os
@@ -42,6 +46,8 @@ def main(out_dir):
     with torch.no_grad():
         expected = model(x)
     torch.jit.script(model).save(os.path.join(out_dir, "model.pt"))
+    exported = torch.export.export(model, (x,))
+    torch._inductor.aoti_compile_and_package(exported, package_path=os.path.join(out_dir, "model.pt2"))
     torch.jit.script(TensorFile(x)).save(os.path.join(out_dir, "input.pt"))
     torch.jit.script(TensorFile(expected)).save(os.path.join(out_dir, "expected.pt"))
     print(f"exported to {out_dir}")

@@ -1,15 +1,18 @@
 // A tiny transformer block on fusedmha::MultiheadAttention, trained for a few
 // steps on a synthetic task, saved and reloaded; then the attention op called
-// by name through the dispatcher, and (if given) a TorchScript model exported
-// from Python that uses fusedmha.MultiheadAttention, run from C++.
+// by name through the dispatcher, and (given the directory
+// export_scripted_model.py wrote) a model that uses fusedmha.MultiheadAttention
+// exported from Python, run from C++ both as an AOTInductor package and as
+// TorchScript.
 //
-//   fusedmha_example [scripted_model.pt input.pt expected_output.pt]
+//   fusedmha_example [EXPORT_DIR]
 //
 // Exits non-zero if any step does not do what it should.
 
 #include <fusedmha/fusedmha.h>
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 #include <torch/script.h>
 #include <torch/torch.h>
 
@@ -107,13 +110,20 @@ int main(int argc, char** argv) {
   const auto reference = at::scaled_dot_product_attention(q, q, q, {}, 0.0, true);
   ok &= check(torch::allclose(by_name, reference, 1e-5, 1e-5), "op called through the dispatcher");
 
-  // 4. A TorchScript model exported from Python, run here.
-  if (argc == 4) {
-    torch::jit::script::Module model = torch::jit::load(argv[1]);
-    const auto input = torch::jit::load(argv[2]).attr("tensor").toTensor();
-    const auto expected = torch::jit::load(argv[3]).attr("tensor").toTensor();
-    const auto got = model.forward({input}).toTensor();
-    ok &= check(torch::allclose(got, expected, 1e-5, 1e-5), "TorchScript model from Python");
+  // 4. A model exported from Python, served here.
+  if (argc == 2) {
+    const std::filesystem::path dir = argv[1];
+    auto tensor_file = [&](const char* name) {
+      return torch::jit::load((dir / name).string()).attr("tensor").toTensor();
+    };
+    const auto input = tensor_file("input.pt"), expected = tensor_file("expected.pt");
+    torch::inductor::AOTIModelPackageLoader aoti((dir / "model.pt2").string());
+    const auto compiled = aoti.run({input}).at(0);
+    ok &= check(torch::allclose(compiled, expected, 1e-5, 1e-5),
+                "AOTInductor package from Python (torch.export)");
+    torch::jit::script::Module scripted = torch::jit::load((dir / "model.pt").string());
+    ok &= check(torch::allclose(scripted.forward({input}).toTensor(), expected, 1e-5, 1e-5),
+                "TorchScript model from Python");
   }
   std::cout << (ok ? "example passed\n" : "example FAILED\n");
   return ok ? 0 : 1;
