@@ -64,6 +64,13 @@ at::Tensor sdpa_composite(const at::Tensor& query, const at::Tensor& key, const 
   TORCH_CHECK(!(is_causal && attn_mask.has_value()),
               "fusedmha.scaled_dot_product_attention: an explicit attn_mask should not be set "
               "when is_causal=True");
+  if (dropout_p == 1.0) {
+    // Every probability dropped, as in PyTorch: zeros (with zero gradients),
+    // and the same input checks. The kernels themselves take p < 1.
+    return std::get<0>(forward_op().call(query, key, value, attn_mask, 0.0, is_causal, scale,
+                                         enable_gqa))
+        .mul(0.0);
+  }
   return std::get<0>(forward_op().call(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                        enable_gqa));
 }

@@ -244,8 +244,10 @@ TEST(Errors, ClearMessages) {
                                                true);
       },
       "should not be set when is_causal=True");
-  expect_error([&] { fusedmha::scaled_dot_product_attention(q, k, v, std::nullopt, 1.0); },
+  expect_error([&] { fusedmha::scaled_dot_product_attention(q, k, v, std::nullopt, 1.5); },
                "dropout_p must be in [0, 1)");
+  // dropout_p = 1 drops everything, as PyTorch's does.
+  EXPECT_TRUE(fusedmha::scaled_dot_product_attention(q, k, v, std::nullopt, 1.0).eq(0).all().item<bool>());
   expect_error([&] { fusedmha::scaled_dot_product_attention(q, k, v, std::nullopt, 0.0, false, -1.0); },
                "scale must be a finite number >= 0");
 }

@@ -110,10 +110,21 @@ def test_mask_with_causal():
     torch.testing.assert_close(both, sdpa(q, k, v, attn_mask=mask & causal))
 
 
-@pytest.mark.parametrize("p", [-0.1, 1.0, 1.5, float("nan")])
+@pytest.mark.parametrize("p", [-0.1, 1.5, float("nan")])
 def test_dropout_out_of_range(p):
     q, k, v = qkv()
     raises(r"dropout_p must be in \[0, 1\)", q, k, v, dropout_p=p)
+
+
+def test_dropout_one_drops_everything():
+    """As F.scaled_dot_product_attention: zeros, and zero gradients (the op itself takes p < 1)."""
+    q, k, v = (t.requires_grad_() for t in qkv())
+    out = sdpa(q, k, v, dropout_p=1.0)
+    assert out.shape == (2, 4, 5, 6) and (out == 0).all()
+    out.sum().backward()
+    assert all((t.grad == 0).all() for t in (q, k, v))
+    with pytest.raises(RuntimeError, match=r"dropout_p must be in \[0, 1\)"):
+        torch.ops.fusedmha.attention_forward(q, k, v, dropout_p=1.0)
 
 
 @pytest.mark.parametrize("scale", [-1.0, float("inf"), float("nan")])
