@@ -118,17 +118,14 @@ inline void gemm(int64_t m, int64_t ncols, int64_t n, const acc_t* a, int64_t ld
   }
 }
 
-// The dropout stream's numbers of the 4 columns 4·j4.. for kLanes
-// consecutive rows i.. of outer index o: out[c][l] for column 4·j4 + c, row
-// i + l. The rounds of philox4x32_10 (cpu/philox.h) over kLanes blocks at
-// once, 32-bit words in 64-bit lanes so the 32×32→64-bit products are single
-// vector multiplies (vpmuludq).
-template <int kLanes>
-inline void philox_rows(const DropoutStream& stream, int64_t o, int64_t i, int64_t j4,
-                        uint32_t out[4][kLanes]) {
 #if defined(__AVX2__)
-  static_assert(kLanes % 4 == 0);
-  constexpr int V = kLanes / 4;
+// The rounds of philox4x32_10 (cpu/philox.h) for the 4 columns 4·j4.. of
+// 4·V consecutive rows i.. of outer index o, 32-bit words in 64-bit lanes so
+// the 32×32→64-bit products are single vector multiplies (vpmuludq):
+// words[c][v] holds column 4·j4 + c of rows i + 4v .. i + 4v + 3.
+template <int V>
+inline void philox_words(const DropoutStream& stream, int64_t o, int64_t i, int64_t j4,
+                         __m256i words[4][V]) {
   constexpr uint32_t kWeyl0 = 0x9E3779B9u, kWeyl1 = 0xBB67AE85u;
   uint32_t k0 = static_cast<uint32_t>(stream.seed), k1 = static_cast<uint32_t>(stream.seed >> 32);
   const __m256i low = _mm256_set1_epi64x(0xFFFFFFFFll);
@@ -155,15 +152,34 @@ inline void philox_rows(const DropoutStream& stream, int64_t o, int64_t i, int64
     k0 += kWeyl0;
     k1 += kWeyl1;
   }
-  alignas(32) uint64_t words[4][kLanes];
   for (int v = 0; v < V; ++v) {
-    _mm256_store_si256(reinterpret_cast<__m256i*>(words[0] + 4 * v), c0[v]);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(words[1] + 4 * v), c1[v]);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(words[2] + 4 * v), c2[v]);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(words[3] + 4 * v), c3[v]);
+    words[0][v] = c0[v];
+    words[1][v] = c1[v];
+    words[2][v] = c2[v];
+    words[3][v] = c3[v];
   }
-  for (int w = 0; w < 4; ++w) {
-    for (int l = 0; l < kLanes; ++l) out[w][l] = static_cast<uint32_t>(words[w][l]);
+}
+#endif
+
+// The dropout stream's numbers of the 4 columns 4·j4.. for kLanes
+// consecutive rows i.. of outer index o: out[c][l] for column 4·j4 + c, row
+// i + l.
+template <int kLanes>
+inline void philox_rows(const DropoutStream& stream, int64_t o, int64_t i, int64_t j4,
+                        uint32_t out[4][kLanes]) {
+#if defined(__AVX2__)
+  static_assert(kLanes % 4 == 0);
+  constexpr int V = kLanes / 4;
+  __m256i words[4][V];
+  philox_words<V>(stream, o, i, j4, words);
+  alignas(32) uint64_t lanes[4][kLanes];
+  for (int c = 0; c < 4; ++c) {
+    for (int v = 0; v < V; ++v) {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes[c] + 4 * v), words[c][v]);
+    }
+  }
+  for (int c = 0; c < 4; ++c) {
+    for (int l = 0; l < kLanes; ++l) out[c][l] = static_cast<uint32_t>(lanes[c][l]);
   }
 #else
   for (int l = 0; l < kLanes; ++l) {
@@ -310,6 +326,11 @@ class TileReader {
     constexpr int kLanes = 8;
     const acc_t keep = static_cast<acc_t>(1.0 / (1.0 - p_.dropout_p));
     const uint32_t threshold = p_.dropout_threshold;
+#if defined(__AVX2__)
+    if constexpr (std::is_same_v<acc_t, float>) {
+      return dropout_factors_avx2(o, q0, rows, bq, k0, cols, keep, threshold, dm);
+    }
+#endif
     uint32_t r[4][kLanes];
     for (int64_t i0 = 0; i0 < bq; i0 += kLanes) {
       const int64_t n = std::clamp<int64_t>(rows - i0, 0, kLanes);  // real queries here
@@ -326,6 +347,44 @@ class TileReader {
       }
     }
   }
+
+#if defined(__AVX2__)
+  // dropout_factors for float tiles, all in vector registers: the stream's
+  // 64-bit lanes are compared with the threshold and packed into 8 float
+  // lanes (one per query) per key.
+  void dropout_factors_avx2(int64_t o, int64_t q0, int64_t rows, int64_t bq, int64_t k0,
+                            int64_t cols, float keep, uint32_t threshold, float* dm) const {
+    const __m256 vkeep = _mm256_set1_ps(keep);
+    // Kept iff the number is >= threshold: numbers are < 2^32, so a signed
+    // 64-bit compare with threshold - 1 decides.
+    const __m256i below = _mm256_set1_epi64x(static_cast<int64_t>(threshold) - 1);
+    const __m256i low_halves = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int64_t i0 = 0; i0 < bq; i0 += 8) {
+      const int64_t n = std::clamp<int64_t>(rows - i0, 0, 8);  // real queries here
+      const __m256i real = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lane);
+      for (int64_t key4 = k0 / 4 * 4; key4 < k0 + cols; key4 += 4) {
+        __m256i words[4][2];
+        if (n > 0) philox_words<2>(p_.dropout, o, q0 + i0, key4 / 4, words);
+        for (int64_t c = 0; c < 4; ++c) {
+          const int64_t j = key4 + c - k0;
+          if (j < 0 || j >= cols) continue;
+          float* d = dm + j * bq + i0;
+          if (n == 0) {
+            _mm256_storeu_ps(d, _mm256_setzero_ps());
+            continue;
+          }
+          const __m256i kept0 = _mm256_permutevar8x32_epi32(
+              _mm256_cmpgt_epi64(words[c][0], below), low_halves);
+          const __m256i kept1 = _mm256_permutevar8x32_epi32(
+              _mm256_cmpgt_epi64(words[c][1], below), low_halves);
+          const __m256i kept = _mm256_and_si256(_mm256_blend_epi32(kept0, kept1, 0xF0), real);
+          _mm256_storeu_ps(d, _mm256_and_ps(_mm256_castsi256_ps(kept), vkeep));
+        }
+      }
+    }
+  }
+#endif
 
   // x[j·bq + c] *= dm[j·bq + c] over the tile.
   static void scale_by(acc_t* x, const acc_t* dm, int64_t cols, int64_t bq) {
