@@ -87,13 +87,18 @@ class WeightsKernel {
   // acc += weight · P(o) over the tile (keys k0.., queries q0..).
   void add_head_tile(int64_t o, int64_t q0, int64_t rows, int64_t bq, int64_t k0, int64_t cols,
                      acc_t weight) {
-    // Q is packed per tile: once per key block and head. That is 1/block_kv
-    // of the score GEMM's work, and it keeps the scratch independent of H.
-    Tiles::pack_transposed(p_.q, o, q0, rows, bq, p_.dim_qk, static_cast<acc_t>(p_.scale),
-                           ws_.qt);
-    const acc_t* lse = static_cast<const acc_t*>(wp_.lse) + o * p_.len_q + q0;
-    std::copy(lse, lse + rows, ws_.lse);
-    std::fill(ws_.lse + rows, ws_.lse + bq, std::numeric_limits<acc_t>::infinity());
+    // Q and lse are packed once per (head, query block) when the item has one
+    // head; when averaging over heads, once per key block and head (1/block_kv
+    // of the score GEMM's work), which keeps the scratch independent of H.
+    if (o != packed_o_ || q0 != packed_q0_) {
+      Tiles::pack_transposed(p_.q, o, q0, rows, bq, p_.dim_qk, static_cast<acc_t>(p_.scale),
+                             ws_.qt);
+      const acc_t* lse = static_cast<const acc_t*>(wp_.lse) + o * p_.len_q + q0;
+      std::copy(lse, lse + rows, ws_.lse);
+      std::fill(ws_.lse + rows, ws_.lse + bq, std::numeric_limits<acc_t>::infinity());
+      packed_o_ = o;
+      packed_q0_ = q0;
+    }
 
     int64_t ldk;
     const acc_t* k = Tiles::rows_of(p_.k, o, k0, cols, p_.dim_qk, false, ws_.k, &ldk);
@@ -120,6 +125,7 @@ class WeightsKernel {
   const ForwardParams& p_;
   Tiles tiles_;
   WeightsWorkspace<acc_t> ws_;
+  int64_t packed_o_ = -1, packed_q0_ = -1;  // what ws_.qt and ws_.lse hold
 };
 
 template <typename acc_t>
