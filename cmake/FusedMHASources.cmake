@@ -21,3 +21,21 @@ set(FUSEDMHA_CPU_ISA_SOURCES
   csrc/cpu/attention_backward_kernel.cpp
   csrc/cpu/attention_weights_kernel.cpp
 )
+# Compiled when FUSEDMHA_WITH_CUDA (cmake/FusedMHACuda.cmake): the host
+# wrappers (C++, with torch) and the kernels (CUDA, without torch headers;
+# one tensor-core instance per file so they compile in parallel).
+set(FUSEDMHA_CUDA_HOST_SOURCES
+  csrc/cuda/attention_cuda.cpp
+)
+set(FUSEDMHA_CUDA_KERNEL_SOURCES
+  csrc/cuda/flash_dispatch.cu
+  csrc/cuda/simple_kernels.cu
+)
+foreach(direction forward backward)
+  foreach(dim 64 128 256)
+    foreach(dtype fp16 bf16)
+      list(APPEND FUSEDMHA_CUDA_KERNEL_SOURCES
+           csrc/cuda/instances/flash_${direction}_hdim${dim}_${dtype}.cu)
+    endforeach()
+  endforeach()
+endforeach()

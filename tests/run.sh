@@ -31,4 +31,4 @@ echo "== Python tests (pytest) =="
 # with a schema that has since changed.
 export TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)"
 trap 'rm -rf "$TORCHINDUCTOR_CACHE_DIR"' EXIT
-PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}" "$python" -m pytest tests/python -q -p no:cacheprovider "$@"
+PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}" "$python" -m pytest tests/python -q -rs -p no:cacheprovider "$@"

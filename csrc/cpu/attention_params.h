@@ -4,7 +4,7 @@
 // pointers, sizes and strides, no ATen types, so the kernels compile fast
 // and can be read on their own.
 
-#include "cpu/philox.h"
+#include "common/philox.h"
 
 #include <cstddef>
 #include <cstdint>

@@ -119,7 +119,7 @@ inline void gemm(int64_t m, int64_t ncols, int64_t n, const acc_t* a, int64_t ld
 }
 
 #if defined(__AVX2__)
-// The rounds of philox4x32_10 (cpu/philox.h) for the 4 columns 4·j4.. of
+// The rounds of philox4x32_10 (common/philox.h) for the 4 columns 4·j4.. of
 // 4·V consecutive rows i.. of outer index o, 32-bit words in 64-bit lanes so
 // the 32×32→64-bit products are single vector multiplies (vpmuludq):
 // words[c][v] holds column 4·j4 + c of rows i + 4v .. i + 4v + 3.

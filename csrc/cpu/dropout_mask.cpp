@@ -1,8 +1,8 @@
 // fusedmha::_dropout_keep_mask: the keep-mask a call's dropout applies, from
-// the same stream the kernels use (cpu/philox.h). For tests: a reference
+// the same stream the kernels use (common/philox.h). For tests: a reference
 // implementation can then apply exactly the kernels' mask.
 
-#include "cpu/philox.h"
+#include "common/philox.h"
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

@@ -259,3 +259,40 @@ TEST(BuildInfo, Reported) {
   ASSERT_FALSE(info.cpu_isas.empty());
   EXPECT_EQ(info.cpu_isas.front(), "default");
 }
+
+// The CUDA kernels from C++: forward and backward against ATen in float64,
+// and the module on the GPU. Skipped without CUDA kernels or a GPU.
+TEST(Cuda, ForwardBackwardAndModule) {
+  if (!fusedmha::build_info().cuda) GTEST_SKIP() << "fusedmha was built without CUDA kernels";
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU visible";
+  torch::manual_seed(0);
+  for (const auto dtype : {at::kHalf, at::kBFloat16, at::kFloat}) {
+    const auto opts = torch::TensorOptions().device(torch::kCUDA).dtype(dtype);
+    expect_matches_aten(torch::randn({2, 4, 100, 64}, opts), torch::randn({2, 4, 130, 64}, opts),
+                        torch::randn({2, 4, 130, 64}, opts));
+    expect_matches_aten(torch::randn({2, 4, 100, 128}, opts), torch::randn({2, 4, 100, 128}, opts),
+                        torch::randn({2, 4, 100, 128}, opts), std::nullopt, true);
+    auto q = torch::randn({2, 4, 70, 64}, opts.requires_grad(true));
+    auto k = torch::randn({2, 4, 90, 64}, opts.requires_grad(true));
+    auto v = torch::randn({2, 4, 90, 64}, opts.requires_grad(true));
+    auto out = fusedmha::scaled_dot_product_attention(q, k, v);
+    auto grad_out = torch::randn_like(out);
+    out.backward(grad_out);
+    auto q64 = q.detach().to(at::kDouble).requires_grad_();
+    auto k64 = k.detach().to(at::kDouble).requires_grad_();
+    auto v64 = v.detach().to(at::kDouble).requires_grad_();
+    at::scaled_dot_product_attention(q64, k64, v64).backward(grad_out.to(at::kDouble));
+    const double tol = dtype == at::kFloat ? 1e-4 : dtype == at::kHalf ? 1e-2 : 6e-2;
+    for (auto [ours, ref] : {std::pair{q.grad(), q64.grad()}, {k.grad(), k64.grad()},
+                             {v.grad(), v64.grad()}}) {
+      EXPECT_TRUE(torch::allclose(ours.to(at::kDouble), ref, tol, tol))
+          << "max abs diff " << (ours.to(at::kDouble) - ref).abs().max().item<double>();
+    }
+  }
+  fusedmha::MultiheadAttention mha(fusedmha::MultiheadAttentionOptions(128, 4));
+  mha->to(torch::kCUDA);
+  const auto x = torch::randn({50, 3, 128}, torch::kCUDA);
+  const auto [y, w] = mha->forward(x, x, x);
+  EXPECT_EQ(y.device().type(), torch::kCUDA);
+  EXPECT_TRUE(torch::isfinite(y).all().item<bool>());
+}

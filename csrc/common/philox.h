@@ -3,11 +3,19 @@
 // Philox 4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2,
 // 3", SC'11): a counter-based generator, so any element's random number is a
 // pure function of (key, counter) and the backward regenerates the forward's
-// dropout mask without storing it. Plain C++, host and (later) device alike;
-// the CPU kernels use a vectorised copy of the same rounds
-// (philox_columns in cpu/attention_tiles.h), which tests check against this.
+// dropout mask without storing it. Plain C++, compiled for the host and, by
+// nvcc, for the device: the CUDA kernels call it as is, so CPU and CUDA drop
+// the same elements for the same (seed, offset). The CPU kernels use a
+// vectorised copy of the same rounds (cpu/attention_tiles.h), which tests
+// check against this.
 
 #include <cstdint>
+
+#if defined(__CUDACC__)
+#define FUSEDMHA_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define FUSEDMHA_HOST_DEVICE inline
+#endif
 
 namespace fusedmha {
 
@@ -15,7 +23,7 @@ struct Philox4x32 {
   uint32_t v[4];
 };
 
-inline Philox4x32 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0,
+FUSEDMHA_HOST_DEVICE Philox4x32 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0,
                                 uint32_t k1) {
   constexpr uint32_t kMul0 = 0xD2511F53u, kMul1 = 0xCD9E8D57u;
   constexpr uint32_t kWeyl0 = 0x9E3779B9u, kWeyl1 = 0xBB67AE85u;
@@ -42,7 +50,7 @@ struct DropoutStream {
   uint64_t seed = 0;
   uint64_t offset = 0;
 
-  Philox4x32 block(int64_t o, int64_t i, int64_t j4) const {
+  FUSEDMHA_HOST_DEVICE Philox4x32 block(int64_t o, int64_t i, int64_t j4) const {
     return philox4x32_10(static_cast<uint32_t>(j4), static_cast<uint32_t>(i),
                          static_cast<uint32_t>(o), counter3(o), static_cast<uint32_t>(seed),
                          static_cast<uint32_t>(seed >> 32));
@@ -50,7 +58,7 @@ struct DropoutStream {
 
   // The counter's last word: the call's offset, mixed with the outer index's
   // high bits.
-  uint32_t counter3(int64_t o) const {
+  FUSEDMHA_HOST_DEVICE uint32_t counter3(int64_t o) const {
     return static_cast<uint32_t>(offset) ^ static_cast<uint32_t>(static_cast<uint64_t>(o) >> 32);
   }
 };

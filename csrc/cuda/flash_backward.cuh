@@ -1,0 +1,204 @@
+#pragma once
+
+// The tensor-core backward for float16/bfloat16 (FlashAttention-2's
+// design). A CTA of 8 warps owns 64 keys of one (batch, head): K and V stay
+// in shared memory while the query tiles (Q, dO, lse, D = rowsum(dO∘O))
+// stream past. Per query tile, with every product on tensor cores:
+//   Sᵀ  = K·Qᵀ,  Pᵀ = exp(scale·Sᵀ + mask − lse)      (recomputed)
+//   dPᵀ = V·dOᵀ, dSᵀ = Pᵀ ∘ (dPᵀ∘Z/(1−p) − D)         (Z: the dropout keep mask)
+//   dV += (Pᵀ∘Z/(1−p))·dO,  dK += dSᵀ·Q                (in registers, all tiles)
+//   dQ += dS·K                                          (fp32 atomics into grad_q)
+// Pᵀ and dSᵀ go through shared memory, so each product uses the warp layout
+// that suits it. dK and dQ are scaled by `scale` on the way out.
+
+#include "cuda/device_utils.cuh"
+#include "cuda/flash_config.h"
+
+#include <cuda_runtime.h>
+
+namespace fusedmha::cuda {
+
+namespace flash_bwd {
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) kernel(const BackwardParams bp) {
+  const AttentionParams& p = bp.fwd;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* smem = reinterpret_cast<T*>(smem_raw);
+  const SwizzledTile<T, kBlockKV, D> k_tile{smem};
+  const SwizzledTile<T, kBlockKV, D> v_tile{smem + kBlockKV * D};
+  const SwizzledTile<T, kBlockQ, D> q_tile{smem + 2 * kBlockKV * D};
+  const SwizzledTile<T, kBlockQ, D> do_tile{smem + (2 * kBlockKV + kBlockQ) * D};
+  const SwizzledTile<T, kBlockKV, kBlockQ> pt_tile{smem + (2 * kBlockKV + 2 * kBlockQ) * D};
+  const SwizzledTile<T, kBlockKV, kBlockQ> dst_tile{pt_tile.data + kBlockKV * kBlockQ};
+  float* lse_s = reinterpret_cast<float*>(dst_tile.data + kBlockKV * kBlockQ);
+  float* delta_s = lse_s + kBlockQ;
+
+  const int64_t n_kv_tiles = (p.len_kv + kBlockKV - 1) / kBlockKV;
+  const int64_t o = blockIdx.x / n_kv_tiles;
+  const int64_t k0 = (blockIdx.x % n_kv_tiles) * kBlockKV;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, t4 = lane % 4;
+  const int wr = warp % 4, wc = warp / 4;  // 4 row blocks of 16 x 2 column halves
+  const int dk = static_cast<int>(p.dim_qk), dv = static_cast<int>(p.dim_v);
+  const int kv_rows = static_cast<int>(min64(kBlockKV, p.len_kv - k0));
+
+  const T* q = static_cast<const T*>(p.q.data) + outer_offset(p.outer, p.q, o);
+  const T* dout = static_cast<const T*>(bp.grad_out.data) + outer_offset(p.outer, bp.grad_out, o);
+  const int64_t mask_base = p.mask_kind == MaskKind::None ? 0 : outer_offset(p.outer, p.mask, o);
+  const float* lse = static_cast<const float*>(bp.lse) + o * p.len_q;
+  const float* delta = static_cast<const float*>(bp.delta) + o * p.len_q;
+  float* grad_q = static_cast<float*>(bp.grad_q) + o * p.len_q * p.dim_qk;
+
+  k_tile.template load_async<kThreads>(static_cast<const T*>(p.k.data) + outer_offset(p.outer, p.k, o) + k0 * p.k.row_stride,
+                                       p.k.row_stride, kv_rows, dk, tid);
+  v_tile.template load_async<kThreads>(static_cast<const T*>(p.v.data) + outer_offset(p.outer, p.v, o) + k0 * p.v.row_stride,
+                                       p.v.row_stride, kv_rows, dv, tid);
+  cp_async_commit();
+
+  const bool dropout = p.dropout_p > 0.0;
+  const DropoutStream stream = dropout ? dropout_stream(p) : DropoutStream{};
+  const float keep_scale = dropout ? static_cast<float>(1.0 / (1.0 - p.dropout_p)) : 1.0f;
+  const float scale_log2 = static_cast<float>(p.scale) * kLog2e;
+  const bool plain = p.mask_kind == MaskKind::None && !p.is_causal;
+
+  // This warp's dK/dV block: keys wr*16.., columns wc*D/2.. .
+  constexpr int kHalfTiles = D / 16;  // n-tiles of 8 in D/2 columns
+  float dk_acc[kHalfTiles][4], dv_acc[kHalfTiles][4];
+#pragma unroll
+  for (int n = 0; n < kHalfTiles; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk_acc[n][e] = dv_acc[n][e] = 0.0f;
+  }
+
+  // Queries before k0 see none of these keys under causal masking.
+  const int64_t first_q_tile = p.is_causal ? k0 / kBlockQ : 0;
+  const int64_t n_q_tiles = (p.len_q + kBlockQ - 1) / kBlockQ;
+  for (int64_t it = first_q_tile; it < n_q_tiles; ++it) {
+    const int64_t q0 = it * kBlockQ;
+    const int q_rows = static_cast<int>(min64(kBlockQ, p.len_q - q0));
+    q_tile.template load_async<kThreads>(q + q0 * p.q.row_stride, p.q.row_stride, q_rows, dk, tid);
+    do_tile.template load_async<kThreads>(dout + q0 * bp.grad_out.row_stride, bp.grad_out.row_stride,
+                                          q_rows, dv, tid);
+    cp_async_commit();
+    if (tid < kBlockQ) {
+      // Padding queries: lse = +inf makes their P exactly 0.
+      lse_s[tid] = tid < q_rows ? lse[q0 + tid] * kLog2e : INFINITY;
+      delta_s[tid] = tid < q_rows ? delta[q0 + tid] : 0.0f;
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // Sᵀ and dPᵀ for keys wr*16.., queries wc*32.. .
+    float st[4][4], dpt[4][4];
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) st[n][e] = dpt[n][e] = 0.0f;
+    }
+    warp_mma<false, false, D / 16, 2, T>(st, k_tile, wr * 16, 0, q_tile, wc * 32, 0, lane);
+    warp_mma<false, false, D / 16, 2, T>(dpt, v_tile, wr * 16, 0, do_tile, wc * 32, 0, lane);
+
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+      const int qc = wc * 32 + n * 8 + 2 * t4;  // query column of e = 0, 1
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int kr = wr * 16 + g + 8 * h;  // key row
+        const int64_t j = k0 + kr;
+        float pt[2], ds[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int64_t i = q0 + qc + e;
+          float x = st[n][2 * h + e] * scale_log2;
+          if (j >= p.len_kv || i >= p.len_q) {
+            x = -INFINITY;
+          } else if (!plain) {
+            x += mask_term(p, mask_base, i, j) * kLog2e;
+          }
+          const float lse_i = lse_s[qc + e];
+          // lse = +inf (a row with no key) gives 0; x = -inf too.
+          float pr = x == -INFINITY ? 0.0f : exp2f(x - lse_i);
+          float dp = dpt[n][2 * h + e];
+          float pd = pr;
+          if (dropout) {
+            const float z = (i < p.len_q && dropout_keeps(stream, p.dropout_threshold, o, i, j))
+                                ? keep_scale : 0.0f;
+            pd = pr * z;
+            dp *= z;
+          }
+          pt[e] = pd;
+          ds[e] = pr * (dp - delta_s[qc + e]);
+        }
+        *reinterpret_cast<uint32_t*>(pt_tile.at(kr, qc)) = pack2<T>(pt[0], pt[1]);
+        *reinterpret_cast<uint32_t*>(dst_tile.at(kr, qc)) = pack2<T>(ds[0], ds[1]);
+      }
+    }
+    __syncthreads();
+
+    // dV += Pᵀ·dO and dK += dSᵀ·Q for keys wr*16.., columns wc*D/2.. .
+    warp_mma<false, true, kBlockQ / 16, D / 32, T>(dv_acc, pt_tile, wr * 16, 0, do_tile,
+                                                   wc * (D / 2), 0, lane);
+    warp_mma<false, true, kBlockQ / 16, D / 32, T>(dk_acc, dst_tile, wr * 16, 0, q_tile,
+                                                   wc * (D / 2), 0, lane);
+    // dQ += dS·K for queries wr*16.., columns wc*D/2.., summed across CTAs.
+    float dq[kHalfTiles][4];
+#pragma unroll
+    for (int n = 0; n < kHalfTiles; ++n) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.0f;
+    warp_mma<true, true, kBlockKV / 16, D / 32, T>(dq, dst_tile, wr * 16, 0, k_tile, wc * (D / 2),
+                                                   0, lane);
+    const float scale = static_cast<float>(p.scale);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t i = q0 + wr * 16 + g + 8 * h;
+      if (i >= p.len_q) continue;
+      float* dst = grad_q + i * p.dim_qk;
+#pragma unroll
+      for (int n = 0; n < kHalfTiles; ++n) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int c = wc * (D / 2) + n * 8 + 2 * t4 + e;
+          if (c < dk) atomicAdd(dst + c, dq[n][2 * h + e] * scale);
+        }
+      }
+    }
+    __syncthreads();  // before the next tile overwrites Q, dO, Pᵀ, dSᵀ
+  }
+
+  // dK (scaled) and dV of this CTA's keys, dense fp32 per outer index.
+  float* grad_k = static_cast<float*>(bp.grad_k) + (o * p.len_kv + k0) * p.dim_qk;
+  float* grad_v = static_cast<float*>(bp.grad_v) + (o * p.len_kv + k0) * p.dim_v;
+  const float scale = static_cast<float>(p.scale);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = wr * 16 + g + 8 * h;
+    if (r >= kv_rows) continue;
+#pragma unroll
+    for (int n = 0; n < kHalfTiles; ++n) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int c = wc * (D / 2) + n * 8 + 2 * t4 + e;
+        if (c < dk) grad_k[r * p.dim_qk + c] = dk_acc[n][2 * h + e] * scale;
+        if (c < dv) grad_v[r * p.dim_v + c] = dv_acc[n][2 * h + e];
+      }
+    }
+  }
+}
+
+}  // namespace flash_bwd
+
+template <typename T, int D>
+cudaError_t run_flash_backward(const BackwardParams& bp, cudaStream_t stream) {
+  const size_t smem = flash_bwd::smem_bytes(D);
+  auto* kernel = &flash_bwd::kernel<T, D>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem));
+  if (err != cudaSuccess) return err;
+  const int64_t n_kv_tiles = (bp.fwd.len_kv + flash_bwd::kBlockKV - 1) / flash_bwd::kBlockKV;
+  const int64_t blocks = n_kv_tiles * bp.fwd.num_outer;
+  if (blocks == 0) return cudaSuccess;
+  kernel<<<static_cast<unsigned>(blocks), flash_bwd::kThreads, smem, stream>>>(bp);
+  return cudaGetLastError();
+}
+
+}  // namespace fusedmha::cuda

@@ -1,0 +1,30 @@
+#pragma once
+
+// The CUDA kernels' entry points, as the host wrappers (attention_cuda.cpp)
+// call them. Each returns the launch's error (cudaSuccess when it started).
+
+#include "cuda/cuda_params.h"
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+
+namespace fusedmha::cuda {
+
+// The tensor-core kernels (flash_forward.cuh, flash_backward.cuh): float16
+// and bfloat16 on sm_80 and newer, head dims up to kFlashMaxHeadDim, rows
+// of q/k/v (and out/grad_out) 16-byte aligned with contiguous columns.
+constexpr int kFlashMaxHeadDim = 256;
+cudaError_t flash_forward(const AttentionParams& p, cudaStream_t stream);
+cudaError_t flash_backward(const BackwardParams& bp, cudaStream_t stream);
+
+// The simple kernels (simple_kernels.cu): every dtype, head dim and layout.
+cudaError_t simple_forward(const AttentionParams& p, cudaStream_t stream);
+// Sums into grad_q, grad_k and grad_v, which must be zeroed.
+cudaError_t simple_backward(const BackwardParams& bp, cudaStream_t stream);
+cudaError_t simple_weights(const WeightsParams& wp, cudaStream_t stream);
+// Shared memory a simple kernel's block needs for per_warp_elements
+// accumulators per warp.
+size_t simple_smem_bytes(DType dtype, size_t per_warp_elements);
+
+}  // namespace fusedmha::cuda

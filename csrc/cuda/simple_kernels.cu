@@ -1,0 +1,299 @@
+// The simple CUDA kernels: one warp per query row, CUDA cores, any dtype.
+// They run float32 and float64 attention (true fp32/fp64 arithmetic, no
+// tf32), the attention weights pass of every dtype, and half-precision
+// attention where the tensor-core kernels do not apply (head dims over
+// 256, GPUs before sm_80). Correct and readable rather than fast: the
+// tensor-core kernels are the fast path.
+//
+// A warp walks the keys of its row one at a time: the 32 lanes split the
+// head dims of each dot product (then sum with shuffles), and each lane owns
+// the same head dims of the row's accumulators, kept in shared memory.
+
+#include "cuda/device_utils.cuh"
+#include "cuda/kernels.h"
+
+#include <cuda_runtime.h>
+
+namespace fusedmha::cuda {
+namespace {
+
+template <typename T>
+struct AccOf {
+  using type = float;
+};
+template <>
+struct AccOf<double> {
+  using type = double;
+};
+
+template <typename A, typename T>
+__device__ __forceinline__ A to_acc(T x) {
+  return static_cast<A>(to_float(x));
+}
+template <>
+__device__ __forceinline__ double to_acc<double, double>(double x) {
+  return x;
+}
+
+template <typename A>
+__device__ __forceinline__ A warp_sum(A x) {
+#pragma unroll
+  for (int d = 16; d > 0; d /= 2) x += __shfl_xor_sync(0xffffffffu, x, d);
+  return x;
+}
+
+__device__ __forceinline__ float exp_acc(float x) { return expf(x); }
+__device__ __forceinline__ double exp_acc(double x) { return exp(x); }
+__device__ __forceinline__ float log_acc(float x) { return logf(x); }
+__device__ __forceinline__ double log_acc(double x) { return log(x); }
+
+// lane's share of dot(a (shared, acc), b (global row)) over n elements.
+template <typename T, typename A>
+__device__ __forceinline__ A dot_row(const A* a, const T* b, int64_t stride, int n, int lane) {
+  A s = 0;
+  for (int e = lane; e < n; e += 32) s += a[e] * static_cast<A>(to_acc<A>(b[e * stride]));
+  return warp_sum(s);
+}
+
+constexpr int kWarpsPerBlock = 4;
+
+template <typename T, typename A>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32) forward_kernel(const AttentionParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int dk = static_cast<int>(p.dim_qk), dv = static_cast<int>(p.dim_v);
+  A* q_s = reinterpret_cast<A*>(smem_raw) + warp * (dk + dv);
+  A* o_s = q_s + dk;
+
+  const bool dropout = p.dropout_p > 0.0;
+  const DropoutStream stream = dropout ? dropout_stream(p) : DropoutStream{};
+  if (dropout && blockIdx.x == 0 && threadIdx.x == 0 && p.rng_state_out != nullptr) {
+    p.rng_state_out[0] = static_cast<int64_t>(stream.seed);
+    p.rng_state_out[1] = static_cast<int64_t>(stream.offset);
+  }
+  const int64_t row = int64_t(blockIdx.x) * kWarpsPerBlock + warp;
+  if (row >= p.num_outer * p.len_q) return;
+  const int64_t o = row / p.len_q, i = row % p.len_q;
+
+  const T* q = static_cast<const T*>(p.q.data) + outer_offset(p.outer, p.q, o) + i * p.q.row_stride;
+  const T* k = static_cast<const T*>(p.k.data) + outer_offset(p.outer, p.k, o);
+  const T* v = static_cast<const T*>(p.v.data) + outer_offset(p.outer, p.v, o);
+  const int64_t mask_base = p.mask_kind == MaskKind::None ? 0 : outer_offset(p.outer, p.mask, o);
+  const A scale = static_cast<A>(p.scale);
+  for (int e = lane; e < dk; e += 32) q_s[e] = static_cast<A>(to_acc<A>(q[e])) * scale;
+  for (int e = lane; e < dv; e += 32) o_s[e] = 0;
+
+  const int64_t kv_end = p.is_causal ? min64(p.len_kv, i + 1) : p.len_kv;
+  A m = -INFINITY, l = 0;
+  for (int64_t j = 0; j < kv_end; ++j) {
+    A x = dot_row<T, A>(q_s, k + j * p.k.row_stride, 1, dk, lane);
+    if (p.mask_kind != MaskKind::None) x += mask_term<A>(p, mask_base, i, j);
+    if (x == A(-INFINITY)) continue;
+    const A m_new = fmax(m, x);
+    const A alpha = exp_acc(m - m_new);
+    A pr = exp_acc(x - m_new);
+    l = l * alpha + pr;
+    m = m_new;
+    if (dropout && !dropout_keeps(stream, p.dropout_threshold, o, i, j)) pr = 0;
+    const T* v_row = v + j * p.v.row_stride;
+    for (int e = lane; e < dv; e += 32) {
+      o_s[e] = o_s[e] * alpha + pr * static_cast<A>(to_acc<A>(v_row[e]));
+    }
+  }
+  A inv, lse;
+  if (isnan(l) || m == A(INFINITY)) {
+    inv = NAN;
+    lse = NAN;
+  } else if (l > 0) {
+    inv = (dropout ? A(1.0 / (1.0 - p.dropout_p)) : A(1)) / l;
+    lse = m + log_acc(l);
+  } else {
+    inv = 0;
+    lse = INFINITY;
+  }
+  T* out = static_cast<T*>(const_cast<void*>(p.out.data)) + outer_offset(p.outer, p.out, o) +
+           i * p.out.row_stride;
+  for (int e = lane; e < dv; e += 32) out[e * p.out.col_stride] = from_acc<T>(o_s[e] * inv);
+  if (lane == 0) static_cast<A*>(p.lse)[o * p.len_q + i] = lse;
+}
+
+template <typename T, typename A>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32) backward_kernel(const BackwardParams bp) {
+  const AttentionParams& p = bp.fwd;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int dk = static_cast<int>(p.dim_qk), dv = static_cast<int>(p.dim_v);
+  A* q_s = reinterpret_cast<A*>(smem_raw) + warp * (2 * dk + dv);
+  A* dq_s = q_s + dk;
+  A* do_s = dq_s + dk;
+
+  const int64_t row = int64_t(blockIdx.x) * kWarpsPerBlock + warp;
+  if (row >= p.num_outer * p.len_q) return;
+  const int64_t o = row / p.len_q, i = row % p.len_q;
+  const bool dropout = p.dropout_p > 0.0;
+  const DropoutStream stream = dropout ? dropout_stream(p) : DropoutStream{};
+  const A keep_scale = dropout ? A(1.0 / (1.0 - p.dropout_p)) : A(1);
+
+  const T* q = static_cast<const T*>(p.q.data) + outer_offset(p.outer, p.q, o) + i * p.q.row_stride;
+  const T* dout = static_cast<const T*>(bp.grad_out.data) + outer_offset(p.outer, bp.grad_out, o) +
+                  i * bp.grad_out.row_stride;
+  const T* k = static_cast<const T*>(p.k.data) + outer_offset(p.outer, p.k, o);
+  const T* v = static_cast<const T*>(p.v.data) + outer_offset(p.outer, p.v, o);
+  const int64_t mask_base = p.mask_kind == MaskKind::None ? 0 : outer_offset(p.outer, p.mask, o);
+  const A scale = static_cast<A>(p.scale);
+  for (int e = lane; e < dk; e += 32) {
+    q_s[e] = static_cast<A>(to_acc<A>(q[e]));
+    dq_s[e] = 0;
+  }
+  for (int e = lane; e < dv; e += 32) do_s[e] = static_cast<A>(to_acc<A>(dout[e]));
+  const A lse = static_cast<const A*>(bp.lse)[o * p.len_q + i];
+  const A delta = static_cast<const A*>(bp.delta)[o * p.len_q + i];
+  A* grad_k = static_cast<A*>(bp.grad_k) + o * p.len_kv * dk;
+  A* grad_v = static_cast<A*>(bp.grad_v) + o * p.len_kv * dv;
+
+  const int64_t kv_end = p.is_causal ? min64(p.len_kv, i + 1) : p.len_kv;
+  for (int64_t j = 0; j < kv_end; ++j) {
+    const T* k_row = k + j * p.k.row_stride;
+    A x = dot_row<T, A>(q_s, k_row, 1, dk, lane) * scale;
+    if (p.mask_kind != MaskKind::None) x += mask_term<A>(p, mask_base, i, j);
+    if (x == A(-INFINITY)) continue;
+    const A pr = exp_acc(x - lse);  // 0 when lse = +inf (a row with no key)
+    if (pr == A(0)) continue;
+    const T* v_row = v + j * p.v.row_stride;
+    A dp = dot_row<T, A>(do_s, v_row, 1, dv, lane);
+    A pd = pr;
+    if (dropout) {
+      const A z = dropout_keeps(stream, p.dropout_threshold, o, i, j) ? keep_scale : A(0);
+      pd *= z;
+      dp *= z;
+    }
+    const A ds = pr * (dp - delta) * scale;
+    for (int e = lane; e < dv; e += 32) atomicAdd(grad_v + j * dv + e, pd * do_s[e]);
+    for (int e = lane; e < dk; e += 32) {
+      atomicAdd(grad_k + j * dk + e, ds * q_s[e]);
+      dq_s[e] += ds * static_cast<A>(to_acc<A>(k_row[e]));
+    }
+  }
+  A* grad_q = static_cast<A*>(bp.grad_q) + (o * p.len_q + i) * dk;
+  for (int e = lane; e < dk; e += 32) grad_q[e] += dq_s[e];
+}
+
+// One warp per (item, query row); lanes over keys. An item is one outer
+// index, or heads_per_item adjacent ones averaged.
+template <typename T, typename A>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32) weights_kernel(const WeightsParams wp) {
+  const AttentionParams& p = wp.fwd;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int dk = static_cast<int>(p.dim_qk);
+  const int64_t heads = wp.heads_per_item;
+  A* q_s = reinterpret_cast<A*>(smem_raw) + warp * heads * dk;
+
+  const int64_t n_items = p.num_outer / heads;
+  const int64_t row = int64_t(blockIdx.x) * kWarpsPerBlock + warp;
+  if (row >= n_items * p.len_q) return;
+  const int64_t item = row / p.len_q, i = row % p.len_q;
+  const bool dropout = p.dropout_p > 0.0;
+  const DropoutStream stream = dropout ? dropout_stream(p) : DropoutStream{};
+  const A keep_scale = dropout ? A(1.0 / (1.0 - p.dropout_p)) : A(1);
+  const A scale = static_cast<A>(p.scale);
+  for (int64_t h = 0; h < heads; ++h) {
+    const int64_t o = item * heads + h;
+    const T* q = static_cast<const T*>(p.q.data) + outer_offset(p.outer, p.q, o) + i * p.q.row_stride;
+    for (int e = lane; e < dk; e += 32) q_s[h * dk + e] = static_cast<A>(to_acc<A>(q[e])) * scale;
+  }
+  __syncwarp();
+  T* out = static_cast<T*>(wp.weights) + row * p.len_kv;
+  for (int64_t j = lane; j < p.len_kv; j += 32) {
+    A w = 0;
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t o = item * heads + h;
+      const T* k_row = static_cast<const T*>(p.k.data) + outer_offset(p.outer, p.k, o) + j * p.k.row_stride;
+      A x = 0;
+      for (int e = 0; e < dk; ++e) x += q_s[h * dk + e] * static_cast<A>(to_acc<A>(k_row[e]));
+      if (p.mask_kind != MaskKind::None || p.is_causal) {
+        const int64_t mask_base = p.mask_kind == MaskKind::None ? 0 : outer_offset(p.outer, p.mask, o);
+        x += mask_term<A>(p, mask_base, i, j);
+      }
+      const A lse = static_cast<const A*>(wp.lse)[o * p.len_q + i];
+      A pr = x == A(-INFINITY) ? A(0) : exp_acc(x - lse);
+      if (dropout) pr *= dropout_keeps(stream, p.dropout_threshold, o, i, j) ? keep_scale : A(0);
+      w += pr;
+    }
+    out[j] = from_acc<T>(w / static_cast<A>(heads));
+  }
+}
+
+template <typename T>
+size_t warp_smem(size_t per_warp_elements) {
+  return per_warp_elements * sizeof(typename AccOf<T>::type) * kWarpsPerBlock;
+}
+
+template <typename Kernel, typename Params>
+cudaError_t launch_rows(Kernel kernel, const Params& params, int64_t rows, size_t smem,
+                        cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  if (smem > 48 * 1024) {
+    const cudaError_t err = cudaFuncSetAttribute(
+        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (err != cudaSuccess) return err;
+  }
+  const int64_t blocks = (rows + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  kernel<<<static_cast<unsigned>(blocks), kWarpsPerBlock * 32, smem, stream>>>(params);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t forward_t(const AttentionParams& p, cudaStream_t stream) {
+  return launch_rows(&forward_kernel<T, typename AccOf<T>::type>, p, p.num_outer * p.len_q,
+                     warp_smem<T>(p.dim_qk + p.dim_v), stream);
+}
+template <typename T>
+cudaError_t backward_t(const BackwardParams& bp, cudaStream_t stream) {
+  const AttentionParams& p = bp.fwd;
+  return launch_rows(&backward_kernel<T, typename AccOf<T>::type>, bp, p.num_outer * p.len_q,
+                     warp_smem<T>(2 * p.dim_qk + p.dim_v), stream);
+}
+template <typename T>
+cudaError_t weights_t(const WeightsParams& wp, cudaStream_t stream) {
+  const AttentionParams& p = wp.fwd;
+  return launch_rows(&weights_kernel<T, typename AccOf<T>::type>, wp,
+                     p.num_outer / wp.heads_per_item * p.len_q,
+                     warp_smem<T>(wp.heads_per_item * p.dim_qk), stream);
+}
+
+}  // namespace
+
+size_t simple_smem_bytes(DType dtype, size_t per_warp_elements) {
+  const size_t acc = dtype == DType::Float64 ? sizeof(double) : sizeof(float);
+  return per_warp_elements * acc * kWarpsPerBlock;
+}
+
+cudaError_t simple_forward(const AttentionParams& p, cudaStream_t stream) {
+  switch (p.dtype) {
+    case DType::Float64: return forward_t<double>(p, stream);
+    case DType::Float16: return forward_t<__half>(p, stream);
+    case DType::BFloat16: return forward_t<__nv_bfloat16>(p, stream);
+    default: return forward_t<float>(p, stream);
+  }
+}
+
+cudaError_t simple_backward(const BackwardParams& bp, cudaStream_t stream) {
+  switch (bp.fwd.dtype) {
+    case DType::Float64: return backward_t<double>(bp, stream);
+    case DType::Float16: return backward_t<__half>(bp, stream);
+    case DType::BFloat16: return backward_t<__nv_bfloat16>(bp, stream);
+    default: return backward_t<float>(bp, stream);
+  }
+}
+
+cudaError_t simple_weights(const WeightsParams& wp, cudaStream_t stream) {
+  switch (wp.fwd.dtype) {
+    case DType::Float64: return weights_t<double>(wp, stream);
+    case DType::Float16: return weights_t<__half>(wp, stream);
+    case DType::BFloat16: return weights_t<__nv_bfloat16>(wp, stream);
+    default: return weights_t<float>(wp, stream);
+  }
+}
+
+}  // namespace fusedmha::cuda
