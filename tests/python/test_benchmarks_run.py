@@ -34,3 +34,14 @@ def test_transformers_benchmark_smoke_run():
                          capture_output=True, text=True, timeout=600, env=dict(os.environ))
     assert res.returncode == 0, res.stderr
     assert all(impl in res.stdout for impl in ("fusedmha", "sdpa", "eager")), res.stdout
+
+
+def test_cuda_benchmark_runs_or_says_no_gpu():
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_sdpa_cuda.py"), "--quick"],
+                         capture_output=True, text=True, timeout=900, env=dict(os.environ))
+    assert res.returncode == 0, res.stderr
+    import torch
+    if torch.cuda.is_available():
+        assert "fusedmha / flash" in res.stdout and "MHA L" in res.stdout, res.stdout
+    else:
+        assert "no CUDA GPU" in res.stdout, res.stdout
