@@ -21,6 +21,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <mutex>
 #include <vector>
@@ -55,7 +56,7 @@ Matrix matrix_of(const at::Tensor& t, const OuterShape& outer) {
     m.divisor[d] = 1;
     if (td >= 0 && t.size(td) != 1) {
       m.outer_stride[d] = t.stride(td);
-      m.divisor[d] = outer.size[d] / t.size(td);
+      m.divisor[d] = t.size(td) == 0 ? 1 : outer.size[d] / t.size(td);  // (0: nothing to read)
     }
   }
   m.row_stride = broadcast_stride(t, -2);
@@ -126,8 +127,14 @@ struct CudaAttention {
                     : mask.scalar_type() == q.scalar_type() ? MaskKind::Additive
                                                           : MaskKind::AdditiveFloat32;
     }
-    p.scale = ops::attention_scale(q, scale);
+    // With no query/key dims every score is 0, whatever the (then
+    // infinite) default scale says.
+    p.scale = p.dim_qk == 0 ? 0.0 : ops::attention_scale(q, scale);
     p.is_causal = is_causal;
+    // One CTA per 64 rows (tensor cores) or warp of 4 rows (simple kernels).
+    TORCH_CHECK(p.num_outer * std::max(p.len_q, p.len_kv) / 4 < (int64_t(1) << 31),
+                "fusedmha (CUDA): batch x heads x sequence length = ", p.num_outer, " x ",
+                std::max(p.len_q, p.len_kv), " is too large for one kernel launch");
   }
 
   // A tensor of the output's shape (out, grad_out) for the kernels.
@@ -148,7 +155,9 @@ struct CudaAttention {
   bool use_flash(const at::Tensor& q, bool backward) const {
     const AttentionParams& p = params;
     if (p.dtype != DType::Float16 && p.dtype != DType::BFloat16) return false;
-    if (std::max(p.dim_qk, p.dim_v) > kFlashMaxHeadDim) return false;
+    if (std::max(p.dim_qk, p.dim_v) > kFlashMaxHeadDim || p.dim_qk == 0 || p.dim_v == 0) {
+      return false;
+    }
     const cudaDeviceProp* prop = at::cuda::getDeviceProperties(q.device().index());
     if (prop->major < 8) return false;
     const int d = flash_head_dim_group(p.dim_qk, p.dim_v);
@@ -167,9 +176,10 @@ void check_simple_smem(const at::Tensor& q, DType dtype, size_t per_warp_element
                        const char* what) {
   const size_t need = simple_smem_bytes(dtype, per_warp_elements);
   const size_t have = at::cuda::getDeviceProperties(q.device().index())->sharedMemPerBlockOptin;
-  TORCH_CHECK(need <= have, "fusedmha (CUDA ", what, "): head dims this large (query/key ",
-              q.size(-1), ") need ", need, " bytes of shared memory per block, this GPU has ",
-              have);
+  TORCH_CHECK(need <= have, "fusedmha (CUDA ", what, "): ", per_warp_elements,
+              " accumulators per query row (head dims, times the heads averaged for "
+              "average_attn_weights) need ", need, " bytes of shared memory per block, this GPU "
+              "has ", have);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(
@@ -247,12 +257,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
   std::vector<int64_t> shape(p.outer.size, p.outer.size + p.outer.dims);
   shape.insert(shape.end(), {p.len_q, p.dim_qk});
   const auto acc_options = query.options().dtype(acc);
+  // The tensor-core backward sums dQ into grad_q with atomics (zeroed
+  // first); both backwards write every row of grad_k and grad_v.
   at::Tensor grad_q = at::zeros(shape, acc_options);
   shape.end()[-2] = p.len_kv;
-  // The tensor-core backward writes every row of dK/dV; the simple one sums.
-  at::Tensor grad_k = call.flash ? at::empty(shape, acc_options) : at::zeros(shape, acc_options);
+  at::Tensor grad_k = at::empty(shape, acc_options);
   shape.back() = p.dim_v;
-  at::Tensor grad_v = call.flash ? at::empty(shape, acc_options) : at::zeros(shape, acc_options);
+  at::Tensor grad_v = at::empty(shape, acc_options);
   bp.grad_q = grad_q.mutable_data_ptr();
   bp.grad_k = grad_k.mutable_data_ptr();
   bp.grad_v = grad_v.mutable_data_ptr();

@@ -103,7 +103,7 @@ struct BackwardParams {
   // the host reduces the gradients over broadcast and grouped heads.
   const void* lse = nullptr;  // (num_outer, len_q), as the forward wrote it
   const void* delta = nullptr;  // (num_outer, len_q): rowsum(grad_out ∘ out)
-  void* grad_q = nullptr;     // (num_outer, len_q, dim_qk), zeroed: summed into
+  void* grad_q = nullptr;     // (num_outer, len_q, dim_qk), zeroed (the tensor cores sum into it)
   void* grad_k = nullptr;     // (num_outer, len_kv, dim_qk)
   void* grad_v = nullptr;     // (num_outer, len_kv, dim_v)
 };

@@ -63,14 +63,15 @@ __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float a, float b) {
 
 // ---- the attention rule, shared by every kernel ---------------------------
 
-// What the mask and causality say of element (o, i, j), already in range:
-// -inf when it may not attend, else the additive term (0 for bool masks),
-// in A (float; double for the float64 kernels). `mask_base` is the mask's
-// element offset for o.
+// What attn_mask says of element (o, i, j): the term added to the score,
+// -inf where a bool mask forbids it (added, as the CPU kernels do, so a NaN
+// score stays NaN), in A (float; double for the float64 kernels).
+// `mask_base` is the mask's element offset for o. Causality is not a mask:
+// the kernels set causally hidden scores to -inf themselves (assigned, so
+// whatever a hidden key holds cannot reach the row).
 template <typename A = float>
 __device__ __forceinline__ A mask_term(const AttentionParams& p, int64_t mask_base, int64_t i,
                                        int64_t j) {
-  if (p.is_causal && j > i) return -INFINITY;
   const int64_t at = mask_base + i * p.mask.row_stride + j * p.mask.col_stride;
   switch (p.mask_kind) {
     case MaskKind::Bool:

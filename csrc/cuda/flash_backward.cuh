@@ -60,7 +60,7 @@ __global__ void __launch_bounds__(kThreads) kernel(const BackwardParams bp) {
   const DropoutStream stream = dropout ? dropout_stream(p) : DropoutStream{};
   const float keep_scale = dropout ? static_cast<float>(1.0 / (1.0 - p.dropout_p)) : 1.0f;
   const float scale_log2 = static_cast<float>(p.scale) * kLog2e;
-  const bool plain = p.mask_kind == MaskKind::None && !p.is_causal;
+  const bool has_mask = p.mask_kind != MaskKind::None;
 
   // This warp's dK/dV block: keys wr*16.., columns wc*D/2.. .
   constexpr int kHalfTiles = D / 16;  // n-tiles of 8 in D/2 columns
@@ -111,9 +111,9 @@ __global__ void __launch_bounds__(kThreads) kernel(const BackwardParams bp) {
         for (int e = 0; e < 2; ++e) {
           const int64_t i = q0 + qc + e;
           float x = st[n][2 * h + e] * scale_log2;
-          if (j >= p.len_kv || i >= p.len_q) {
+          if (j >= p.len_kv || i >= p.len_q || (p.is_causal && j > i)) {
             x = -INFINITY;
-          } else if (!plain) {
+          } else if (has_mask) {
             x += mask_term(p, mask_base, i, j) * kLog2e;
           }
           const float lse_i = lse_s[qc + e];
@@ -122,10 +122,11 @@ __global__ void __launch_bounds__(kThreads) kernel(const BackwardParams bp) {
           float dp = dpt[n][2 * h + e];
           float pd = pr;
           if (dropout) {
-            const float z = (i < p.len_q && dropout_keeps(stream, p.dropout_threshold, o, i, j))
-                                ? keep_scale : 0.0f;
-            pd = pr * z;
-            dp *= z;
+            // Pᵀ∘Z with Z in {0, 1} (16-bit storage; 1/(1−p) is applied to
+            // dV at the end), dP∘Z/(1−p) in fp32.
+            const bool keep = i < p.len_q && dropout_keeps(stream, p.dropout_threshold, o, i, j);
+            pd = keep ? pr : 0.0f;
+            dp = keep ? dp * keep_scale : 0.0f;
           }
           pt[e] = pd;
           ds[e] = pr * (dp - delta_s[qc + e]);
@@ -165,7 +166,10 @@ __global__ void __launch_bounds__(kThreads) kernel(const BackwardParams bp) {
     __syncthreads();  // before the next tile overwrites Q, dO, Pᵀ, dSᵀ
   }
 
-  // dK (scaled) and dV of this CTA's keys, dense fp32 per outer index.
+  cp_async_wait<0>();  // (with no query tile, K's and V's copies are still pending)
+
+  // dK (scaled) and dV (times 1/(1−p)) of this CTA's keys, dense fp32 per
+  // outer index.
   float* grad_k = static_cast<float*>(bp.grad_k) + (o * p.len_kv + k0) * p.dim_qk;
   float* grad_v = static_cast<float*>(bp.grad_v) + (o * p.len_kv + k0) * p.dim_v;
   const float scale = static_cast<float>(p.scale);
@@ -179,7 +183,7 @@ __global__ void __launch_bounds__(kThreads) kernel(const BackwardParams bp) {
       for (int e = 0; e < 2; ++e) {
         const int c = wc * (D / 2) + n * 8 + 2 * t4 + e;
         if (c < dk) grad_k[r * p.dim_qk + c] = dk_acc[n][2 * h + e] * scale;
-        if (c < dv) grad_v[r * p.dim_v + c] = dv_acc[n][2 * h + e];
+        if (c < dv) grad_v[r * p.dim_v + c] = dv_acc[n][2 * h + e] * keep_scale;
       }
     }
   }

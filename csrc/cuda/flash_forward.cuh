@@ -51,7 +51,7 @@ __global__ void __launch_bounds__(kThreads) kernel(const AttentionParams p) {
     p.rng_state_out[1] = static_cast<int64_t>(stream.offset);
   }
   const float scale_log2 = static_cast<float>(p.scale) * kLog2e;
-  const bool plain = p.mask_kind == MaskKind::None && !p.is_causal;
+  const bool has_mask = p.mask_kind != MaskKind::None;
 
   q_tile.template load_async<kThreads>(q, p.q.row_stride, q_rows, dk, tid);
   cp_async_commit();
@@ -98,9 +98,9 @@ __global__ void __launch_bounds__(kThreads) kernel(const AttentionParams p) {
         const int h = e / 2;
         const int64_t j = k0 + n * 8 + 2 * t4 + (e & 1);
         float x = s[n][e] * scale_log2;
-        if (j >= kv_end) {
+        if (j >= kv_end || (p.is_causal && j > row_of[h])) {
           x = -INFINITY;
-        } else if (!plain && row_of[h] < p.len_q) {
+        } else if (has_mask && row_of[h] < p.len_q) {
           x += mask_term(p, mask_base, row_of[h], j) * kLog2e;
         }
         s[n][e] = x;
@@ -135,7 +135,12 @@ __global__ void __launch_bounds__(kThreads) kernel(const AttentionParams p) {
         const int h = e / 2;
         float pr = exp2f(s[n][e] - tile_max[h]);
         tile_sum[h] += pr;
-        if (dropout && bits[h].v[2 * (t4 & 1) + (e & 1)] < p.dropout_threshold) pr = 0.0f;
+        if (dropout) {
+          // Word 2·(t4 % 2) + (e % 2) of the block, picked without a
+          // run-time index (which would put the block in local memory).
+          const uint32_t word = (t4 & 1) ? bits[h].v[2 + (e & 1)] : bits[h].v[e & 1];
+          if (word < p.dropout_threshold) pr = 0.0f;
+        }
         s[n][e] = pr;
       }
     }
@@ -178,6 +183,8 @@ __global__ void __launch_bounds__(kThreads) kernel(const AttentionParams p) {
     }
     __syncthreads();  // every warp is done with V
   }
+
+  cp_async_wait<0>();  // (with no key tile, Q's copy is still pending)
 
   // Normalise, write the output and the log-sum-exp (natural log).
   T* out = static_cast<T*>(const_cast<void*>(p.out.data)) + outer_offset(p.outer, p.out, o);

@@ -20,7 +20,8 @@ cudaError_t flash_backward(const BackwardParams& bp, cudaStream_t stream);
 
 // The simple kernels (simple_kernels.cu): every dtype, head dim and layout.
 cudaError_t simple_forward(const AttentionParams& p, cudaStream_t stream);
-// Sums into grad_q, grad_k and grad_v, which must be zeroed.
+// Two passes (dQ per query row, then dK/dV per key row), no atomics, so
+// the gradients are deterministic; writes every row of grad_q/k/v.
 cudaError_t simple_backward(const BackwardParams& bp, cudaStream_t stream);
 cudaError_t simple_weights(const WeightsParams& wp, cudaStream_t stream);
 // Shared memory a simple kernel's block needs for per_warp_elements

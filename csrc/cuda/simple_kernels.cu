@@ -51,7 +51,7 @@ __device__ __forceinline__ double log_acc(double x) { return log(x); }
 template <typename T, typename A>
 __device__ __forceinline__ A dot_row(const A* a, const T* b, int64_t stride, int n, int lane) {
   A s = 0;
-  for (int e = lane; e < n; e += 32) s += a[e] * static_cast<A>(to_acc<A>(b[e * stride]));
+  for (int e = lane; e < n; e += 32) s += a[e] * (to_acc<A>(b[e * stride]));
   return warp_sum(s);
 }
 
@@ -80,7 +80,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) forward_kernel(const Atte
   const T* v = static_cast<const T*>(p.v.data) + outer_offset(p.outer, p.v, o);
   const int64_t mask_base = p.mask_kind == MaskKind::None ? 0 : outer_offset(p.outer, p.mask, o);
   const A scale = static_cast<A>(p.scale);
-  for (int e = lane; e < dk; e += 32) q_s[e] = static_cast<A>(to_acc<A>(q[e])) * scale;
+  for (int e = lane; e < dk; e += 32) q_s[e] = (to_acc<A>(q[e])) * scale;
   for (int e = lane; e < dv; e += 32) o_s[e] = 0;
 
   const int64_t kv_end = p.is_causal ? min64(p.len_kv, i + 1) : p.len_kv;
@@ -97,7 +97,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) forward_kernel(const Atte
     if (dropout && !dropout_keeps(stream, p.dropout_threshold, o, i, j)) pr = 0;
     const T* v_row = v + j * p.v.row_stride;
     for (int e = lane; e < dv; e += 32) {
-      o_s[e] = o_s[e] * alpha + pr * static_cast<A>(to_acc<A>(v_row[e]));
+      o_s[e] = o_s[e] * alpha + pr * (to_acc<A>(v_row[e]));
     }
   }
   A inv, lse;
@@ -117,8 +117,36 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) forward_kernel(const Atte
   if (lane == 0) static_cast<A*>(p.lse)[o * p.len_q + i] = lse;
 }
 
+// What the backward needs of element (o, i, j) besides the products: the
+// probability P (0 where masked), and the dropout factor Z/(1-p) (1 without
+// dropout). Shared by both backward passes so that they agree exactly.
+template <typename A>
+struct BackwardElement {
+  A p, z;
+};
+
+template <typename A>
+__device__ __forceinline__ BackwardElement<A> backward_element(const AttentionParams& p,
+                                                               const DropoutStream& stream,
+                                                               int64_t mask_base, A score,
+                                                               A lse, int64_t o, int64_t i,
+                                                               int64_t j) {
+  A x = score;
+  if (p.mask_kind != MaskKind::None) x += mask_term<A>(p, mask_base, i, j);
+  // exp(-inf - lse) is 0, and lse = +inf (a row with no key) gives 0 too.
+  const A pr = x == A(-INFINITY) ? A(0) : exp_acc(x - lse);
+  A z = 1;
+  if (p.dropout_p > 0.0) {
+    z = dropout_keeps(stream, p.dropout_threshold, o, i, j) ? A(1.0 / (1.0 - p.dropout_p)) : A(0);
+  }
+  return {pr, z};
+}
+
+// The backward in two passes without atomics (so deterministic), both
+// recomputing P: dQ with one warp per query row, then dK and dV with one
+// warp per key row. dS = P∘(dP∘Z/(1−p) − D), D = rowsum(dO∘O).
 template <typename T, typename A>
-__global__ void __launch_bounds__(kWarpsPerBlock * 32) backward_kernel(const BackwardParams bp) {
+__global__ void __launch_bounds__(kWarpsPerBlock * 32) backward_dq_kernel(const BackwardParams bp) {
   const AttentionParams& p = bp.fwd;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -130,10 +158,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) backward_kernel(const Bac
   const int64_t row = int64_t(blockIdx.x) * kWarpsPerBlock + warp;
   if (row >= p.num_outer * p.len_q) return;
   const int64_t o = row / p.len_q, i = row % p.len_q;
-  const bool dropout = p.dropout_p > 0.0;
-  const DropoutStream stream = dropout ? dropout_stream(p) : DropoutStream{};
-  const A keep_scale = dropout ? A(1.0 / (1.0 - p.dropout_p)) : A(1);
-
+  const DropoutStream stream = p.dropout_p > 0.0 ? dropout_stream(p) : DropoutStream{};
   const T* q = static_cast<const T*>(p.q.data) + outer_offset(p.outer, p.q, o) + i * p.q.row_stride;
   const T* dout = static_cast<const T*>(bp.grad_out.data) + outer_offset(p.outer, bp.grad_out, o) +
                   i * bp.grad_out.row_stride;
@@ -142,40 +167,76 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) backward_kernel(const Bac
   const int64_t mask_base = p.mask_kind == MaskKind::None ? 0 : outer_offset(p.outer, p.mask, o);
   const A scale = static_cast<A>(p.scale);
   for (int e = lane; e < dk; e += 32) {
-    q_s[e] = static_cast<A>(to_acc<A>(q[e]));
+    q_s[e] = to_acc<A>(q[e]) * scale;
     dq_s[e] = 0;
   }
-  for (int e = lane; e < dv; e += 32) do_s[e] = static_cast<A>(to_acc<A>(dout[e]));
+  for (int e = lane; e < dv; e += 32) do_s[e] = to_acc<A>(dout[e]);
   const A lse = static_cast<const A*>(bp.lse)[o * p.len_q + i];
   const A delta = static_cast<const A*>(bp.delta)[o * p.len_q + i];
-  A* grad_k = static_cast<A*>(bp.grad_k) + o * p.len_kv * dk;
-  A* grad_v = static_cast<A*>(bp.grad_v) + o * p.len_kv * dv;
 
   const int64_t kv_end = p.is_causal ? min64(p.len_kv, i + 1) : p.len_kv;
   for (int64_t j = 0; j < kv_end; ++j) {
     const T* k_row = k + j * p.k.row_stride;
-    A x = dot_row<T, A>(q_s, k_row, 1, dk, lane) * scale;
-    if (p.mask_kind != MaskKind::None) x += mask_term<A>(p, mask_base, i, j);
-    if (x == A(-INFINITY)) continue;
-    const A pr = exp_acc(x - lse);  // 0 when lse = +inf (a row with no key)
-    if (pr == A(0)) continue;
-    const T* v_row = v + j * p.v.row_stride;
-    A dp = dot_row<T, A>(do_s, v_row, 1, dv, lane);
-    A pd = pr;
-    if (dropout) {
-      const A z = dropout_keeps(stream, p.dropout_threshold, o, i, j) ? keep_scale : A(0);
-      pd *= z;
-      dp *= z;
-    }
-    const A ds = pr * (dp - delta) * scale;
-    for (int e = lane; e < dv; e += 32) atomicAdd(grad_v + j * dv + e, pd * do_s[e]);
-    for (int e = lane; e < dk; e += 32) {
-      atomicAdd(grad_k + j * dk + e, ds * q_s[e]);
-      dq_s[e] += ds * static_cast<A>(to_acc<A>(k_row[e]));
-    }
+    const A score = dot_row<T, A>(q_s, k_row, 1, dk, lane);
+    const BackwardElement<A> el = backward_element(p, stream, mask_base, score, lse, o, i, j);
+    if (el.p == A(0)) continue;  // (warp-uniform: every lane has the same sums)
+    const A dp = dot_row<T, A>(do_s, v + j * p.v.row_stride, 1, dv, lane);
+    const A ds = el.p * (dp * el.z - delta) * scale;
+    for (int e = lane; e < dk; e += 32) dq_s[e] += ds * to_acc<A>(k_row[e]);
   }
   A* grad_q = static_cast<A*>(bp.grad_q) + (o * p.len_q + i) * dk;
-  for (int e = lane; e < dk; e += 32) grad_q[e] += dq_s[e];
+  for (int e = lane; e < dk; e += 32) grad_q[e] = dq_s[e];
+}
+
+template <typename T, typename A>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32) backward_dkdv_kernel(const BackwardParams bp) {
+  const AttentionParams& p = bp.fwd;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int dk = static_cast<int>(p.dim_qk), dv = static_cast<int>(p.dim_v);
+  A* k_s = reinterpret_cast<A*>(smem_raw) + warp * (2 * dk + 2 * dv);
+  A* dk_s = k_s + dk;
+  A* v_s = dk_s + dk;
+  A* dv_s = v_s + dv;
+
+  const int64_t row = int64_t(blockIdx.x) * kWarpsPerBlock + warp;
+  if (row >= p.num_outer * p.len_kv) return;
+  const int64_t o = row / p.len_kv, j = row % p.len_kv;
+  const DropoutStream stream = p.dropout_p > 0.0 ? dropout_stream(p) : DropoutStream{};
+  const T* q = static_cast<const T*>(p.q.data) + outer_offset(p.outer, p.q, o);
+  const T* dout = static_cast<const T*>(bp.grad_out.data) + outer_offset(p.outer, bp.grad_out, o);
+  const T* k = static_cast<const T*>(p.k.data) + outer_offset(p.outer, p.k, o) + j * p.k.row_stride;
+  const T* v = static_cast<const T*>(p.v.data) + outer_offset(p.outer, p.v, o) + j * p.v.row_stride;
+  const int64_t mask_base = p.mask_kind == MaskKind::None ? 0 : outer_offset(p.outer, p.mask, o);
+  const A scale = static_cast<A>(p.scale);
+  for (int e = lane; e < dk; e += 32) {
+    k_s[e] = to_acc<A>(k[e]) * scale;
+    dk_s[e] = 0;
+  }
+  for (int e = lane; e < dv; e += 32) {
+    v_s[e] = to_acc<A>(v[e]);
+    dv_s[e] = 0;
+  }
+  const A* lse = static_cast<const A*>(bp.lse) + o * p.len_q;
+  const A* delta = static_cast<const A*>(bp.delta) + o * p.len_q;
+
+  // Under causal masking only queries i >= j see key j.
+  for (int64_t i = p.is_causal ? j : 0; i < p.len_q; ++i) {
+    const T* q_row = q + i * p.q.row_stride;
+    const A score = dot_row<T, A>(k_s, q_row, 1, dk, lane);
+    const BackwardElement<A> el = backward_element(p, stream, mask_base, score, lse[i], o, i, j);
+    if (el.p == A(0)) continue;  // (warp-uniform)
+    const T* do_row = dout + i * bp.grad_out.row_stride;
+    const A dp = dot_row<T, A>(v_s, do_row, 1, dv, lane);
+    const A ds = el.p * (dp * el.z - delta[i]) * scale;
+    const A pd = el.p * el.z;
+    for (int e = lane; e < dv; e += 32) dv_s[e] += pd * to_acc<A>(do_row[e]);
+    for (int e = lane; e < dk; e += 32) dk_s[e] += ds * to_acc<A>(q_row[e]);
+  }
+  A* grad_k = static_cast<A*>(bp.grad_k) + (o * p.len_kv + j) * dk;
+  A* grad_v = static_cast<A*>(bp.grad_v) + (o * p.len_kv + j) * dv;
+  for (int e = lane; e < dk; e += 32) grad_k[e] = dk_s[e];
+  for (int e = lane; e < dv; e += 32) grad_v[e] = dv_s[e];
 }
 
 // One warp per (item, query row); lanes over keys. An item is one outer
@@ -200,7 +261,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) weights_kernel(const Weig
   for (int64_t h = 0; h < heads; ++h) {
     const int64_t o = item * heads + h;
     const T* q = static_cast<const T*>(p.q.data) + outer_offset(p.outer, p.q, o) + i * p.q.row_stride;
-    for (int e = lane; e < dk; e += 32) q_s[h * dk + e] = static_cast<A>(to_acc<A>(q[e])) * scale;
+    for (int e = lane; e < dk; e += 32) q_s[h * dk + e] = (to_acc<A>(q[e])) * scale;
   }
   __syncwarp();
   T* out = static_cast<T*>(wp.weights) + row * p.len_kv;
@@ -210,10 +271,11 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) weights_kernel(const Weig
       const int64_t o = item * heads + h;
       const T* k_row = static_cast<const T*>(p.k.data) + outer_offset(p.outer, p.k, o) + j * p.k.row_stride;
       A x = 0;
-      for (int e = 0; e < dk; ++e) x += q_s[h * dk + e] * static_cast<A>(to_acc<A>(k_row[e]));
-      if (p.mask_kind != MaskKind::None || p.is_causal) {
-        const int64_t mask_base = p.mask_kind == MaskKind::None ? 0 : outer_offset(p.outer, p.mask, o);
-        x += mask_term<A>(p, mask_base, i, j);
+      for (int e = 0; e < dk; ++e) x += q_s[h * dk + e] * (to_acc<A>(k_row[e]));
+      if (p.is_causal && j > i) {
+        x = -INFINITY;
+      } else if (p.mask_kind != MaskKind::None) {
+        x += mask_term<A>(p, outer_offset(p.outer, p.mask, o), i, j);
       }
       const A lse = static_cast<const A*>(wp.lse)[o * p.len_q + i];
       A pr = x == A(-INFINITY) ? A(0) : exp_acc(x - lse);
@@ -251,8 +313,12 @@ cudaError_t forward_t(const AttentionParams& p, cudaStream_t stream) {
 template <typename T>
 cudaError_t backward_t(const BackwardParams& bp, cudaStream_t stream) {
   const AttentionParams& p = bp.fwd;
-  return launch_rows(&backward_kernel<T, typename AccOf<T>::type>, bp, p.num_outer * p.len_q,
-                     warp_smem<T>(2 * p.dim_qk + p.dim_v), stream);
+  using A = typename AccOf<T>::type;
+  const cudaError_t err = launch_rows(&backward_dq_kernel<T, A>, bp, p.num_outer * p.len_q,
+                                      warp_smem<T>(2 * p.dim_qk + p.dim_v), stream);
+  if (err != cudaSuccess) return err;
+  return launch_rows(&backward_dkdv_kernel<T, A>, bp, p.num_outer * p.len_kv,
+                     warp_smem<T>(2 * p.dim_qk + 2 * p.dim_v), stream);
 }
 template <typename T>
 cudaError_t weights_t(const WeightsParams& wp, cudaStream_t stream) {

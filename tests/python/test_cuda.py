@@ -242,7 +242,18 @@ def test_opcheck(dtype):
 
 def test_gradcheck_float64():
     q, k, v = (torch.randn(1, 2, 9, 8, device=DEV, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    mask = torch.rand(9, 9, device=DEV) > 0.3
+    # nondet_tol=0: the float64 backward (the simple kernels) is deterministic.
     assert torch.autograd.gradcheck(lambda q, k, v: sdpa(q, k, v, is_causal=True), (q, k, v))
+    assert torch.autograd.gradcheck(lambda q, k, v: sdpa(q, k, v, attn_mask=mask, dropout_p=0.0), (q, k, v))
+
+
+def test_float32_backward_is_deterministic():
+    q, k, v = (rand(2, 4, 100, 64, dtype=torch.float32).requires_grad_() for _ in range(3))
+    g = torch.randn(2, 4, 100, 64, device=DEV)
+    first = torch.autograd.grad(sdpa(q, k, v, is_causal=True), (q, k, v), g)
+    second = torch.autograd.grad(sdpa(q, k, v, is_causal=True), (q, k, v), g)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
