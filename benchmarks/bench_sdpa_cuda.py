@@ -73,11 +73,20 @@ def measure(impl, q, k, v, causal, backward):
     return cuda_time(fwd_bwd)
 
 
-def run_sdpa(lengths, dims, total_tokens, dtype, lines):
+def emit(row, lines, markdown):
+    """Prints a table row and rewrites the markdown file, so a run cut short keeps its rows."""
+    lines.append(row)
+    print(row, flush=True)
+    if markdown:
+        with open(markdown, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+def run_sdpa(lengths, dims, total_tokens, dtype, lines, markdown):
     impls = sdpa_backends()
     header = f"| E | L=S | B | H | causal | pass | " + " | ".join(impls) + " | fusedmha / flash |"
-    lines += [header, "|" + "---|" * (header.count("|") - 1)]
-    print(header, flush=True)
+    emit(header, lines, markdown)
+    emit("|" + "---|" * (header.count("|") - 1), lines, markdown)
     for E in dims:
         H = 2048 // E
         for L in lengths:
@@ -105,17 +114,16 @@ def run_sdpa(lengths, dims, total_tokens, dtype, lines):
                              if "torch-flash" in tflops else "n/a")
                     row = (f"| {E} | {L} | {B} | {H} | {causal} | {'fwd+bwd' if backward else 'fwd'} | "
                            + " | ".join(cells) + f" | {ratio} |")
-                    lines.append(row)
-                    print(row, flush=True)
+                    emit(row, lines, markdown)
             del q, k, v
             torch.cuda.empty_cache()
 
 
-def run_mha(lengths, dtype, lines):
+def run_mha(lengths, dtype, lines, markdown):
     E, H, B = 1024, 16, 8
-    header = "| MHA L | pass | nn.MultiheadAttention ms | fusedmha ms | speed-up |"
-    lines += ["", header, "|---|---|---|---|---|"]
-    print(header, flush=True)
+    emit("", lines, markdown)
+    emit("| MHA L | pass | nn.MultiheadAttention ms | fusedmha ms | speed-up |", lines, markdown)
+    emit("|---|---|---|---|---|", lines, markdown)
     for L in lengths:
         torch.manual_seed(0)
         ref = torch.nn.MultiheadAttention(E, H, batch_first=True, device="cuda", dtype=dtype)
@@ -136,8 +144,7 @@ def run_mha(lengths, dtype, lines):
             mine.train(train)
             t_ref, t_mine = cuda_time(step(ref)), cuda_time(step(mine))
             row = f"| {L} | {'train' if train else 'inference'} | {t_ref * 1e3:.2f} | {t_mine * 1e3:.2f} | {t_ref / t_mine:.2f}x |"
-            lines.append(row)
-            print(row, flush=True)
+            emit(row, lines, markdown)
 
 
 def main():
@@ -157,11 +164,8 @@ def main():
     print(f"{torch.cuda.get_device_name()} torch={torch.__version__} fusedmha={fusedmha.__version__} "
           f"bf16, TFLOP/s (FlashAttention's FLOP count)", flush=True)
     lines = [f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, TFLOP/s", ""]
-    run_sdpa(lengths, args.dims, args.tokens, torch.bfloat16, lines)
-    run_mha([512, 2048] if args.quick else [512, 1024, 2048, 4096], torch.bfloat16, lines)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    run_sdpa(lengths, args.dims, args.tokens, torch.bfloat16, lines, args.markdown)
+    run_mha([512, 2048] if args.quick else [512, 1024, 2048, 4096], torch.bfloat16, lines, args.markdown)
 
 
 if __name__ == "__main__":

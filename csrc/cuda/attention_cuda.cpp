@@ -273,7 +273,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
     if (call.flash) {
       check_launch(flash_backward(bp, stream), "backward (tensor cores)");
     } else {
-      check_simple_smem(query, p.dtype, 2 * p.dim_qk + p.dim_v, "backward");
+      check_simple_smem(query, p.dtype, 2 * p.dim_qk + 2 * p.dim_v, "backward");
       check_launch(simple_backward(bp, stream), "backward");
     }
   } else {

@@ -159,7 +159,8 @@ def test_backward_matches_float64(dtype, E, case):
     torch_grads = torch.autograd.grad(torch_out, t, grad_out)
     for name, g, r, tg in zip("qkv", grads, ref_grads, torch_grads):
         assert g.shape == r.shape and g.dtype == dtype, name
-        assert_close_to_truth(g, r, tg, factor=3.0)
+        # PyTorch may give NaN for the fully masked row; then only the dtype's floor bounds us.
+        assert_close_to_truth(g, r, tg if torch.isfinite(tg).all() else None, dtype=dtype, factor=3.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
@@ -318,6 +319,7 @@ def test_cuda_graph_capture_with_dropout():
 def test_runs_on_the_current_stream_and_device_guard():
     q = rand(2, 4, 256, 64)
     s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())  # q is made on the default stream
     with torch.cuda.stream(s):
         out = sdpa(q, q, q)
     s.synchronize()
