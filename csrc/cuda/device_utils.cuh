@@ -3,6 +3,15 @@
 // Small device building blocks shared by the CUDA kernels: element types,
 // the per-element mask/causal/dropout rule, and the tensor-core primitives
 // (cp.async, ldmatrix, mma.sync m16n8k16) on swizzled shared-memory tiles.
+//
+// With FUSEDMHA_CUDA_EMULATION the same kernel code compiles as host C++
+// and runs on the CPU (cuda/emulation.h: one fiber per GPU thread, the warp
+// primitives computed from their PTX definitions), which is how the tests
+// run these kernels on machines without a GPU.
+
+#if defined(FUSEDMHA_CUDA_EMULATION)
+#include "cuda/emulation.h"
+#endif
 
 #include "common/philox.h"
 #include "cuda/cuda_params.h"
@@ -110,6 +119,13 @@ __device__ __forceinline__ bool dropout_keeps(const DropoutStream& s, uint32_t t
 
 // ---- tensor-core primitives (sm_80+) ---------------------------------------
 
+#if !defined(FUSEDMHA_CUDA_EMULATION)
+// The block's dynamic shared memory (the launch's third argument).
+__device__ __forceinline__ unsigned char* dynamic_smem() {
+  extern __shared__ __align__(128) unsigned char fusedmha_dynamic_smem[];
+  return fusedmha_dynamic_smem;
+}
+
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -159,6 +175,15 @@ __device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&d)[4], const ui
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+#else
+using emulation::cp_async_16;
+using emulation::cp_async_commit;
+using emulation::cp_async_wait;
+using emulation::dynamic_smem;
+using emulation::ldmatrix_x4;
+using emulation::ldmatrix_x4_trans;
+using emulation::mma_16816;
+#endif
 
 // A shared-memory tile of kRows x kCols 16-bit elements, row-major in
 // 16-byte chunks, chunk c of row r stored at chunk c ^ (r % 8): the 8 rows

@@ -14,7 +14,7 @@
 #include "cuda/device_utils.cuh"
 #include "cuda/flash_config.h"
 
-#include <cuda_runtime.h>
+#include <cuda_runtime_api.h>
 
 namespace fusedmha::cuda {
 
@@ -23,8 +23,7 @@ namespace flash_bwd {
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) kernel(const BackwardParams bp) {
   const AttentionParams& p = bp.fwd;
-  extern __shared__ __align__(128) unsigned char smem_raw[];
-  T* smem = reinterpret_cast<T*>(smem_raw);
+  T* smem = reinterpret_cast<T*>(dynamic_smem());
   const SwizzledTile<T, kBlockKV, D> k_tile{smem};
   const SwizzledTile<T, kBlockKV, D> v_tile{smem + kBlockKV * D};
   const SwizzledTile<T, kBlockQ, D> q_tile{smem + 2 * kBlockKV * D};
@@ -191,6 +190,7 @@ __global__ void __launch_bounds__(kThreads) kernel(const BackwardParams bp) {
 
 }  // namespace flash_bwd
 
+#if !defined(FUSEDMHA_CUDA_EMULATION)
 template <typename T, int D>
 cudaError_t run_flash_backward(const BackwardParams& bp, cudaStream_t stream) {
   const size_t smem = flash_bwd::smem_bytes(D);
@@ -204,5 +204,7 @@ cudaError_t run_flash_backward(const BackwardParams& bp, cudaStream_t stream) {
   kernel<<<static_cast<unsigned>(blocks), flash_bwd::kThreads, smem, stream>>>(bp);
   return cudaGetLastError();
 }
+
+#endif
 
 }  // namespace fusedmha::cuda

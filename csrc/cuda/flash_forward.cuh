@@ -12,7 +12,7 @@
 #include "cuda/device_utils.cuh"
 #include "cuda/flash_config.h"
 
-#include <cuda_runtime.h>
+#include <cuda_runtime_api.h>
 
 namespace fusedmha::cuda {
 
@@ -20,8 +20,7 @@ namespace flash_fwd {
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) kernel(const AttentionParams p) {
-  extern __shared__ __align__(128) unsigned char smem_raw[];
-  T* smem = reinterpret_cast<T*>(smem_raw);
+  T* smem = reinterpret_cast<T*>(dynamic_smem());
   const SwizzledTile<T, kBlockQ, D> q_tile{smem};
   const SwizzledTile<T, kBlockKV, D> k_tile{smem + kBlockQ * D};
   const SwizzledTile<T, kBlockKV, D> v_tile{smem + (kBlockQ + kBlockKV) * D};
@@ -225,6 +224,7 @@ __global__ void __launch_bounds__(kThreads) kernel(const AttentionParams p) {
 
 }  // namespace flash_fwd
 
+#if !defined(FUSEDMHA_CUDA_EMULATION)
 template <typename T, int D>
 cudaError_t run_flash_forward(const AttentionParams& p, cudaStream_t stream) {
   const size_t smem = flash_fwd::smem_bytes(D);
@@ -238,5 +238,7 @@ cudaError_t run_flash_forward(const AttentionParams& p, cudaStream_t stream) {
   kernel<<<static_cast<unsigned>(blocks), flash_fwd::kThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }
+
+#endif
 
 }  // namespace fusedmha::cuda

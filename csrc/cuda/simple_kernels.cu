@@ -1,15 +1,7 @@
-// The simple CUDA kernels: one warp per query row, CUDA cores, any dtype.
-// They run float32 and float64 attention (true fp32/fp64 arithmetic, no
-// tf32), the attention weights pass of every dtype, and half-precision
-// attention where the tensor-core kernels do not apply (head dims over
-// 256, GPUs before sm_80). Correct and readable rather than fast: the
-// tensor-core kernels are the fast path.
-//
-// A warp walks the keys of its row one at a time: the 32 lanes split the
-// head dims of each dot product (then sum with shuffles), and each lane owns
-// the same head dims of the row's accumulators, kept in shared memory.
+// Launchers of the simple kernels (simple_kernels.cuh): one warp per row,
+// 4 warps per block, shared memory sized from the head dims.
 
-#include "cuda/device_utils.cuh"
+#include "cuda/simple_kernels.cuh"
 #include "cuda/kernels.h"
 
 #include <cuda_runtime.h>
@@ -17,274 +9,8 @@
 namespace fusedmha::cuda {
 namespace {
 
-template <typename T>
-struct AccOf {
-  using type = float;
-};
-template <>
-struct AccOf<double> {
-  using type = double;
-};
-
-template <typename A, typename T>
-__device__ __forceinline__ A to_acc(T x) {
-  return static_cast<A>(to_float(x));
-}
-template <>
-__device__ __forceinline__ double to_acc<double, double>(double x) {
-  return x;
-}
-
-template <typename A>
-__device__ __forceinline__ A warp_sum(A x) {
-#pragma unroll
-  for (int d = 16; d > 0; d /= 2) x += __shfl_xor_sync(0xffffffffu, x, d);
-  return x;
-}
-
-__device__ __forceinline__ float exp_acc(float x) { return expf(x); }
-__device__ __forceinline__ double exp_acc(double x) { return exp(x); }
-__device__ __forceinline__ float log_acc(float x) { return logf(x); }
-__device__ __forceinline__ double log_acc(double x) { return log(x); }
-
-// lane's share of dot(a (shared, acc), b (global row)) over n elements.
-template <typename T, typename A>
-__device__ __forceinline__ A dot_row(const A* a, const T* b, int64_t stride, int n, int lane) {
-  A s = 0;
-  for (int e = lane; e < n; e += 32) s += a[e] * (to_acc<A>(b[e * stride]));
-  return warp_sum(s);
-}
-
-constexpr int kWarpsPerBlock = 4;
-
-template <typename T, typename A>
-__global__ void __launch_bounds__(kWarpsPerBlock * 32) forward_kernel(const AttentionParams p) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int dk = static_cast<int>(p.dim_qk), dv = static_cast<int>(p.dim_v);
-  A* q_s = reinterpret_cast<A*>(smem_raw) + warp * (dk + dv);
-  A* o_s = q_s + dk;
-
-  const bool dropout = p.dropout_p > 0.0;
-  const DropoutStream stream = dropout ? dropout_stream(p) : DropoutStream{};
-  if (dropout && blockIdx.x == 0 && threadIdx.x == 0 && p.rng_state_out != nullptr) {
-    p.rng_state_out[0] = static_cast<int64_t>(stream.seed);
-    p.rng_state_out[1] = static_cast<int64_t>(stream.offset);
-  }
-  const int64_t row = int64_t(blockIdx.x) * kWarpsPerBlock + warp;
-  if (row >= p.num_outer * p.len_q) return;
-  const int64_t o = row / p.len_q, i = row % p.len_q;
-
-  const T* q = static_cast<const T*>(p.q.data) + outer_offset(p.outer, p.q, o) + i * p.q.row_stride;
-  const T* k = static_cast<const T*>(p.k.data) + outer_offset(p.outer, p.k, o);
-  const T* v = static_cast<const T*>(p.v.data) + outer_offset(p.outer, p.v, o);
-  const int64_t mask_base = p.mask_kind == MaskKind::None ? 0 : outer_offset(p.outer, p.mask, o);
-  const A scale = static_cast<A>(p.scale);
-  for (int e = lane; e < dk; e += 32) q_s[e] = (to_acc<A>(q[e])) * scale;
-  for (int e = lane; e < dv; e += 32) o_s[e] = 0;
-
-  const int64_t kv_end = p.is_causal ? min64(p.len_kv, i + 1) : p.len_kv;
-  A m = -INFINITY, l = 0;
-  for (int64_t j = 0; j < kv_end; ++j) {
-    A x = dot_row<T, A>(q_s, k + j * p.k.row_stride, 1, dk, lane);
-    if (p.mask_kind != MaskKind::None) x += mask_term<A>(p, mask_base, i, j);
-    if (x == A(-INFINITY)) continue;
-    const A m_new = fmax(m, x);
-    const A alpha = exp_acc(m - m_new);
-    A pr = exp_acc(x - m_new);
-    l = l * alpha + pr;
-    m = m_new;
-    if (dropout && !dropout_keeps(stream, p.dropout_threshold, o, i, j)) pr = 0;
-    const T* v_row = v + j * p.v.row_stride;
-    for (int e = lane; e < dv; e += 32) {
-      o_s[e] = o_s[e] * alpha + pr * (to_acc<A>(v_row[e]));
-    }
-  }
-  A inv, lse;
-  if (isnan(l) || m == A(INFINITY)) {
-    inv = NAN;
-    lse = NAN;
-  } else if (l > 0) {
-    inv = (dropout ? A(1.0 / (1.0 - p.dropout_p)) : A(1)) / l;
-    lse = m + log_acc(l);
-  } else {
-    inv = 0;
-    lse = INFINITY;
-  }
-  T* out = static_cast<T*>(const_cast<void*>(p.out.data)) + outer_offset(p.outer, p.out, o) +
-           i * p.out.row_stride;
-  for (int e = lane; e < dv; e += 32) out[e * p.out.col_stride] = from_acc<T>(o_s[e] * inv);
-  if (lane == 0) static_cast<A*>(p.lse)[o * p.len_q + i] = lse;
-}
-
-// What the backward needs of element (o, i, j) besides the products: the
-// probability P (0 where masked), and the dropout factor Z/(1-p) (1 without
-// dropout). Shared by both backward passes so that they agree exactly.
-template <typename A>
-struct BackwardElement {
-  A p, z;
-};
-
-template <typename A>
-__device__ __forceinline__ BackwardElement<A> backward_element(const AttentionParams& p,
-                                                               const DropoutStream& stream,
-                                                               int64_t mask_base, A score,
-                                                               A lse, int64_t o, int64_t i,
-                                                               int64_t j) {
-  A x = score;
-  if (p.mask_kind != MaskKind::None) x += mask_term<A>(p, mask_base, i, j);
-  // exp(-inf - lse) is 0, and lse = +inf (a row with no key) gives 0 too.
-  const A pr = x == A(-INFINITY) ? A(0) : exp_acc(x - lse);
-  A z = 1;
-  if (p.dropout_p > 0.0) {
-    z = dropout_keeps(stream, p.dropout_threshold, o, i, j) ? A(1.0 / (1.0 - p.dropout_p)) : A(0);
-  }
-  return {pr, z};
-}
-
-// The backward in two passes without atomics (so deterministic), both
-// recomputing P: dQ with one warp per query row, then dK and dV with one
-// warp per key row. dS = P∘(dP∘Z/(1−p) − D), D = rowsum(dO∘O).
-template <typename T, typename A>
-__global__ void __launch_bounds__(kWarpsPerBlock * 32) backward_dq_kernel(const BackwardParams bp) {
-  const AttentionParams& p = bp.fwd;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int dk = static_cast<int>(p.dim_qk), dv = static_cast<int>(p.dim_v);
-  A* q_s = reinterpret_cast<A*>(smem_raw) + warp * (2 * dk + dv);
-  A* dq_s = q_s + dk;
-  A* do_s = dq_s + dk;
-
-  const int64_t row = int64_t(blockIdx.x) * kWarpsPerBlock + warp;
-  if (row >= p.num_outer * p.len_q) return;
-  const int64_t o = row / p.len_q, i = row % p.len_q;
-  const DropoutStream stream = p.dropout_p > 0.0 ? dropout_stream(p) : DropoutStream{};
-  const T* q = static_cast<const T*>(p.q.data) + outer_offset(p.outer, p.q, o) + i * p.q.row_stride;
-  const T* dout = static_cast<const T*>(bp.grad_out.data) + outer_offset(p.outer, bp.grad_out, o) +
-                  i * bp.grad_out.row_stride;
-  const T* k = static_cast<const T*>(p.k.data) + outer_offset(p.outer, p.k, o);
-  const T* v = static_cast<const T*>(p.v.data) + outer_offset(p.outer, p.v, o);
-  const int64_t mask_base = p.mask_kind == MaskKind::None ? 0 : outer_offset(p.outer, p.mask, o);
-  const A scale = static_cast<A>(p.scale);
-  for (int e = lane; e < dk; e += 32) {
-    q_s[e] = to_acc<A>(q[e]) * scale;
-    dq_s[e] = 0;
-  }
-  for (int e = lane; e < dv; e += 32) do_s[e] = to_acc<A>(dout[e]);
-  const A lse = static_cast<const A*>(bp.lse)[o * p.len_q + i];
-  const A delta = static_cast<const A*>(bp.delta)[o * p.len_q + i];
-
-  const int64_t kv_end = p.is_causal ? min64(p.len_kv, i + 1) : p.len_kv;
-  for (int64_t j = 0; j < kv_end; ++j) {
-    const T* k_row = k + j * p.k.row_stride;
-    const A score = dot_row<T, A>(q_s, k_row, 1, dk, lane);
-    const BackwardElement<A> el = backward_element(p, stream, mask_base, score, lse, o, i, j);
-    if (el.p == A(0)) continue;  // (warp-uniform: every lane has the same sums)
-    const A dp = dot_row<T, A>(do_s, v + j * p.v.row_stride, 1, dv, lane);
-    const A ds = el.p * (dp * el.z - delta) * scale;
-    for (int e = lane; e < dk; e += 32) dq_s[e] += ds * to_acc<A>(k_row[e]);
-  }
-  A* grad_q = static_cast<A*>(bp.grad_q) + (o * p.len_q + i) * dk;
-  for (int e = lane; e < dk; e += 32) grad_q[e] = dq_s[e];
-}
-
-template <typename T, typename A>
-__global__ void __launch_bounds__(kWarpsPerBlock * 32) backward_dkdv_kernel(const BackwardParams bp) {
-  const AttentionParams& p = bp.fwd;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int dk = static_cast<int>(p.dim_qk), dv = static_cast<int>(p.dim_v);
-  A* k_s = reinterpret_cast<A*>(smem_raw) + warp * (2 * dk + 2 * dv);
-  A* dk_s = k_s + dk;
-  A* v_s = dk_s + dk;
-  A* dv_s = v_s + dv;
-
-  const int64_t row = int64_t(blockIdx.x) * kWarpsPerBlock + warp;
-  if (row >= p.num_outer * p.len_kv) return;
-  const int64_t o = row / p.len_kv, j = row % p.len_kv;
-  const DropoutStream stream = p.dropout_p > 0.0 ? dropout_stream(p) : DropoutStream{};
-  const T* q = static_cast<const T*>(p.q.data) + outer_offset(p.outer, p.q, o);
-  const T* dout = static_cast<const T*>(bp.grad_out.data) + outer_offset(p.outer, bp.grad_out, o);
-  const T* k = static_cast<const T*>(p.k.data) + outer_offset(p.outer, p.k, o) + j * p.k.row_stride;
-  const T* v = static_cast<const T*>(p.v.data) + outer_offset(p.outer, p.v, o) + j * p.v.row_stride;
-  const int64_t mask_base = p.mask_kind == MaskKind::None ? 0 : outer_offset(p.outer, p.mask, o);
-  const A scale = static_cast<A>(p.scale);
-  for (int e = lane; e < dk; e += 32) {
-    k_s[e] = to_acc<A>(k[e]) * scale;
-    dk_s[e] = 0;
-  }
-  for (int e = lane; e < dv; e += 32) {
-    v_s[e] = to_acc<A>(v[e]);
-    dv_s[e] = 0;
-  }
-  const A* lse = static_cast<const A*>(bp.lse) + o * p.len_q;
-  const A* delta = static_cast<const A*>(bp.delta) + o * p.len_q;
-
-  // Under causal masking only queries i >= j see key j.
-  for (int64_t i = p.is_causal ? j : 0; i < p.len_q; ++i) {
-    const T* q_row = q + i * p.q.row_stride;
-    const A score = dot_row<T, A>(k_s, q_row, 1, dk, lane);
-    const BackwardElement<A> el = backward_element(p, stream, mask_base, score, lse[i], o, i, j);
-    if (el.p == A(0)) continue;  // (warp-uniform)
-    const T* do_row = dout + i * bp.grad_out.row_stride;
-    const A dp = dot_row<T, A>(v_s, do_row, 1, dv, lane);
-    const A ds = el.p * (dp * el.z - delta[i]) * scale;
-    const A pd = el.p * el.z;
-    for (int e = lane; e < dv; e += 32) dv_s[e] += pd * to_acc<A>(do_row[e]);
-    for (int e = lane; e < dk; e += 32) dk_s[e] += ds * to_acc<A>(q_row[e]);
-  }
-  A* grad_k = static_cast<A*>(bp.grad_k) + (o * p.len_kv + j) * dk;
-  A* grad_v = static_cast<A*>(bp.grad_v) + (o * p.len_kv + j) * dv;
-  for (int e = lane; e < dk; e += 32) grad_k[e] = dk_s[e];
-  for (int e = lane; e < dv; e += 32) grad_v[e] = dv_s[e];
-}
-
-// One warp per (item, query row); lanes over keys. An item is one outer
-// index, or heads_per_item adjacent ones averaged.
-template <typename T, typename A>
-__global__ void __launch_bounds__(kWarpsPerBlock * 32) weights_kernel(const WeightsParams wp) {
-  const AttentionParams& p = wp.fwd;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int dk = static_cast<int>(p.dim_qk);
-  const int64_t heads = wp.heads_per_item;
-  A* q_s = reinterpret_cast<A*>(smem_raw) + warp * heads * dk;
-
-  const int64_t n_items = p.num_outer / heads;
-  const int64_t row = int64_t(blockIdx.x) * kWarpsPerBlock + warp;
-  if (row >= n_items * p.len_q) return;
-  const int64_t item = row / p.len_q, i = row % p.len_q;
-  const bool dropout = p.dropout_p > 0.0;
-  const DropoutStream stream = dropout ? dropout_stream(p) : DropoutStream{};
-  const A keep_scale = dropout ? A(1.0 / (1.0 - p.dropout_p)) : A(1);
-  const A scale = static_cast<A>(p.scale);
-  for (int64_t h = 0; h < heads; ++h) {
-    const int64_t o = item * heads + h;
-    const T* q = static_cast<const T*>(p.q.data) + outer_offset(p.outer, p.q, o) + i * p.q.row_stride;
-    for (int e = lane; e < dk; e += 32) q_s[h * dk + e] = (to_acc<A>(q[e])) * scale;
-  }
-  __syncwarp();
-  T* out = static_cast<T*>(wp.weights) + row * p.len_kv;
-  for (int64_t j = lane; j < p.len_kv; j += 32) {
-    A w = 0;
-    for (int64_t h = 0; h < heads; ++h) {
-      const int64_t o = item * heads + h;
-      const T* k_row = static_cast<const T*>(p.k.data) + outer_offset(p.outer, p.k, o) + j * p.k.row_stride;
-      A x = 0;
-      for (int e = 0; e < dk; ++e) x += q_s[h * dk + e] * (to_acc<A>(k_row[e]));
-      if (p.is_causal && j > i) {
-        x = -INFINITY;
-      } else if (p.mask_kind != MaskKind::None) {
-        x += mask_term<A>(p, outer_offset(p.outer, p.mask, o), i, j);
-      }
-      const A lse = static_cast<const A*>(wp.lse)[o * p.len_q + i];
-      A pr = x == A(-INFINITY) ? A(0) : exp_acc(x - lse);
-      if (dropout) pr *= dropout_keeps(stream, p.dropout_threshold, o, i, j) ? keep_scale : A(0);
-      w += pr;
-    }
-    out[j] = from_acc<T>(w / static_cast<A>(heads));
-  }
-}
+using simple::AccOf;
+using simple::kWarpsPerBlock;
 
 template <typename T>
 size_t warp_smem(size_t per_warp_elements) {
@@ -307,23 +33,23 @@ cudaError_t launch_rows(Kernel kernel, const Params& params, int64_t rows, size_
 
 template <typename T>
 cudaError_t forward_t(const AttentionParams& p, cudaStream_t stream) {
-  return launch_rows(&forward_kernel<T, typename AccOf<T>::type>, p, p.num_outer * p.len_q,
+  return launch_rows(&simple::forward_kernel<T, typename AccOf<T>::type>, p, p.num_outer * p.len_q,
                      warp_smem<T>(p.dim_qk + p.dim_v), stream);
 }
 template <typename T>
 cudaError_t backward_t(const BackwardParams& bp, cudaStream_t stream) {
   const AttentionParams& p = bp.fwd;
   using A = typename AccOf<T>::type;
-  const cudaError_t err = launch_rows(&backward_dq_kernel<T, A>, bp, p.num_outer * p.len_q,
+  const cudaError_t err = launch_rows(&simple::backward_dq_kernel<T, A>, bp, p.num_outer * p.len_q,
                                       warp_smem<T>(2 * p.dim_qk + p.dim_v), stream);
   if (err != cudaSuccess) return err;
-  return launch_rows(&backward_dkdv_kernel<T, A>, bp, p.num_outer * p.len_kv,
+  return launch_rows(&simple::backward_dkdv_kernel<T, A>, bp, p.num_outer * p.len_kv,
                      warp_smem<T>(2 * p.dim_qk + 2 * p.dim_v), stream);
 }
 template <typename T>
 cudaError_t weights_t(const WeightsParams& wp, cudaStream_t stream) {
   const AttentionParams& p = wp.fwd;
-  return launch_rows(&weights_kernel<T, typename AccOf<T>::type>, wp,
+  return launch_rows(&simple::weights_kernel<T, typename AccOf<T>::type>, wp,
                      p.num_outer / wp.heads_per_item * p.len_q,
                      warp_smem<T>(wp.heads_per_item * p.dim_qk), stream);
 }

@@ -1,0 +1,431 @@
+// The CUDA kernels' own code run on the CPU through cuda/emulation.h (one
+// fiber per GPU thread, ldmatrix/mma/shuffles computed from their PTX
+// definitions), against a float64 reference: the tensor-core forward and
+// backward for every head-dim group and both 16-bit types, and the simple
+// kernels, across lengths that are not multiples of the tiles, causal
+// masking with L != S, bool/float masks with broadcasting, GQA, strided
+// rows, dropout (the common/philox.h stream) and rows with nothing to see.
+//
+// Built without torch (plain C++ and the CUDA headers), so it is quick to
+// compile, and it runs wherever the CUDA toolkit is installed, GPU or not.
+
+#include "cuda/flash_backward.cuh"
+#include "cuda/flash_config.h"
+#include "cuda/flash_forward.cuh"
+#include "cuda/simple_kernels.cuh"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace fusedmha::cuda {
+namespace {
+
+struct Case {
+  int B = 1, H = 2, Hkv = 2, L = 70, S = 130, E = 64, Ev = 64;
+  bool causal = false;
+  int mask = 0;  // 0 none, 1 bool (B,1,L,S) with an empty row, 2 float (S,) row
+  double dropout = 0.0;
+  int row_pad = 0;  // extra elements per row of q/k/v/dO (rows stay multiples of 8 long)
+  std::string name() const {
+    return "B" + std::to_string(B) + " H" + std::to_string(H) + "/" + std::to_string(Hkv) +
+           " L" + std::to_string(L) + " S" + std::to_string(S) + " E" + std::to_string(E) +
+           "/" + std::to_string(Ev) + (causal ? " causal" : "") +
+           (mask == 1 ? " bool-mask" : mask == 2 ? " float-mask" : "") +
+           (dropout > 0 ? " dropout" : "") + (row_pad ? " strided" : "");
+  }
+};
+
+template <typename T>
+T from_double(double x) {
+  if constexpr (std::is_same_v<T, __half>) return __float2half_rn(static_cast<float>(x));
+  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return __float2bfloat16_rn(static_cast<float>(x));
+  else return static_cast<T>(x);
+}
+template <typename T>
+double to_double(T x) {
+  if constexpr (std::is_same_v<T, __half>) return __half2float(x);
+  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return __bfloat162float(x);
+  else return static_cast<double>(x);
+}
+
+template <typename T>
+DType dtype_of() {
+  if constexpr (std::is_same_v<T, __half>) return DType::Float16;
+  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return DType::BFloat16;
+  else if constexpr (std::is_same_v<T, double>) return DType::Float64;
+  else return DType::Float32;
+}
+
+// A (B, H, rows, cols) tensor with rows `ld` apart, values as stored (T)
+// and as double.
+template <typename T>
+struct Tensor4 {
+  int B, H, rows, cols, ld;
+  std::vector<T> data;
+  Tensor4(int B_, int H_, int rows_, int cols_, int pad = 0)
+      : B(B_), H(H_), rows(rows_), cols(cols_), ld(cols_ + pad),
+        data(size_t(B_) * H_ * rows_ * (cols_ + pad) + 8, from_double<T>(1e4)) {}
+  size_t at(int b, int h, int r, int c) const { return ((size_t(b) * H + h) * rows + r) * ld + c; }
+  double get(int b, int h, int r, int c) const { return to_double(data[at(b, h, r, c)]); }
+  void set(int b, int h, int r, int c, double x) { data[at(b, h, r, c)] = from_double<T>(x); }
+  void randomize(std::mt19937& rng) {
+    std::normal_distribution<double> n(0.0, 1.0);
+    for (int b = 0; b < B; ++b)
+      for (int h = 0; h < H; ++h)
+        for (int r = 0; r < rows; ++r)
+          for (int c = 0; c < cols; ++c) set(b, h, r, c, n(rng));
+  }
+  // The kernels' view, indexed by the output's outer dims (B, H_out).
+  Matrix matrix(int H_out) const {
+    Matrix m;
+    m.data = data.data();
+    m.outer_stride[0] = int64_t(H) * rows * ld;
+    m.outer_stride[1] = int64_t(rows) * ld;
+    m.divisor[0] = 1;
+    m.divisor[1] = H_out / H;
+    m.row_stride = ld;
+    m.col_stride = 1;
+    return m;
+  }
+};
+
+struct Problem {
+  Case c;
+  std::vector<double> q, k, v, dout;  // float64 copies of the rounded inputs
+  std::vector<unsigned char> bool_mask;  // (B, L, S)
+  std::vector<float> float_mask;         // (S)
+  double scale;
+  DropoutStream stream{0x1234567890abcdefull, 42};
+  uint32_t threshold = 0;
+
+  bool visible(int b, int i, int j) const {
+    if (c.causal && j > i) return false;
+    if (c.mask == 1 && !bool_mask[(size_t(b) * c.L + i) * c.S + j]) return false;
+    return true;
+  }
+  double mask_add(int j) const { return c.mask == 2 ? float_mask[j] : 0.0; }
+  double keep(int o, int i, int j) const {
+    if (c.dropout <= 0) return 1.0;
+    return dropout_keeps(o, i, j) ? 1.0 / (1.0 - c.dropout) : 0.0;
+  }
+  bool dropout_keeps(int o, int i, int j) const {
+    return stream.block(o, i, j / 4).v[j % 4] >= threshold;
+  }
+};
+
+struct Reference {
+  std::vector<double> out, lse, dq, dk, dv;  // dk/dv per output head (B, H, S, E)
+  std::vector<double> weights;                // P∘Z/(1−p), (B, H, L, S)
+};
+
+// Float64 attention and its gradients (per output head), the library's rules.
+Reference reference(const Problem& pr) {
+  const Case& c = pr.c;
+  Reference r;
+  const int O = c.B * c.H;
+  r.out.assign(size_t(O) * c.L * c.Ev, 0);
+  r.lse.assign(size_t(O) * c.L, INFINITY);
+  r.dq.assign(size_t(O) * c.L * c.E, 0);
+  r.dk.assign(size_t(O) * c.S * c.E, 0);
+  r.dv.assign(size_t(O) * c.S * c.Ev, 0);
+  r.weights.assign(size_t(O) * c.L * c.S, 0);
+  const int group = c.H / c.Hkv;
+  for (int b = 0; b < c.B; ++b) {
+    for (int h = 0; h < c.H; ++h) {
+      const int o = b * c.H + h, hk = h / group;
+      auto Q = [&](int i, int e) { return pr.q[((size_t(b) * c.H + h) * c.L + i) * c.E + e]; };
+      auto K = [&](int j, int e) { return pr.k[((size_t(b) * c.Hkv + hk) * c.S + j) * c.E + e]; };
+      auto V = [&](int j, int e) { return pr.v[((size_t(b) * c.Hkv + hk) * c.S + j) * c.Ev + e]; };
+      auto dO = [&](int i, int e) { return pr.dout[((size_t(b) * c.H + h) * c.L + i) * c.Ev + e]; };
+      for (int i = 0; i < c.L; ++i) {
+        std::vector<double> s(c.S, -INFINITY), p(c.S, 0.0);
+        double m = -INFINITY;
+        for (int j = 0; j < c.S; ++j) {
+          if (!pr.visible(b, i, j)) continue;
+          double x = 0;
+          for (int e = 0; e < c.E; ++e) x += Q(i, e) * K(j, e);
+          s[j] = x * pr.scale + pr.mask_add(j);
+          m = std::max(m, s[j]);
+        }
+        if (m == -INFINITY) continue;  // nothing to attend to: 0, lse +inf, no gradient
+        double l = 0;
+        for (int j = 0; j < c.S; ++j) l += (p[j] = s[j] == -INFINITY ? 0.0 : std::exp(s[j] - m));
+        for (double& x : p) x /= l;
+        r.lse[size_t(o) * c.L + i] = m + std::log(l);
+        for (int j = 0; j < c.S; ++j) r.weights[(size_t(o) * c.L + i) * c.S + j] = p[j] * pr.keep(o, i, j);
+        std::vector<double> dp(c.S, 0.0);
+        double delta = 0;
+        for (int e = 0; e < c.Ev; ++e) {
+          double acc = 0;
+          for (int j = 0; j < c.S; ++j) acc += p[j] * pr.keep(o, i, j) * V(j, e);
+          r.out[(size_t(o) * c.L + i) * c.Ev + e] = acc;
+          delta += acc * dO(i, e);
+        }
+        for (int j = 0; j < c.S; ++j) {
+          if (p[j] == 0) continue;
+          double x = 0;
+          for (int e = 0; e < c.Ev; ++e) x += dO(i, e) * V(j, e);
+          dp[j] = x * pr.keep(o, i, j);
+          const double ds = p[j] * (dp[j] - delta) * pr.scale;
+          for (int e = 0; e < c.E; ++e) {
+            r.dq[(size_t(o) * c.L + i) * c.E + e] += ds * K(j, e);
+            r.dk[(size_t(o) * c.S + j) * c.E + e] += ds * Q(i, e);
+          }
+          for (int e = 0; e < c.Ev; ++e) {
+            r.dv[(size_t(o) * c.S + j) * c.Ev + e] += p[j] * pr.keep(o, i, j) * dO(i, e);
+          }
+        }
+      }
+    }
+  }
+  return r;
+}
+
+double tolerance_for(DType t) {
+  switch (t) {
+    case DType::Float16: return 4e-3;
+    case DType::BFloat16: return 3e-2;
+    case DType::Float64: return 1e-10;
+    default: return 2e-5;
+  }
+}
+
+// Max |got - want| relative to max(1, max |want|).
+template <typename Get>
+double max_error(const std::vector<double>& want, Get got) {
+  double err = 0, scale = 1;
+  for (size_t n = 0; n < want.size(); ++n) {
+    const double g = got(n);
+    if (std::isnan(g)) return INFINITY;
+    err = std::max(err, std::abs(g - want[n]));
+    scale = std::max(scale, std::abs(want[n]));
+  }
+  return err / scale;
+}
+
+enum class Kernels { TensorCores, Simple };
+
+template <typename T>
+void run_case(const Case& c, Kernels kernels) {
+  SCOPED_TRACE(c.name() + (kernels == Kernels::TensorCores ? " [tensor cores]" : " [simple]"));
+  std::mt19937 rng(7 + c.L * 31 + c.S + c.E);
+  Tensor4<T> q(c.B, c.H, c.L, c.E, c.row_pad), k(c.B, c.Hkv, c.S, c.E, c.row_pad),
+      v(c.B, c.Hkv, c.S, c.Ev, c.row_pad), dout(c.B, c.H, c.L, c.Ev, c.row_pad);
+  q.randomize(rng);
+  k.randomize(rng);
+  v.randomize(rng);
+  dout.randomize(rng);
+
+  Problem pr;
+  pr.c = c;
+  pr.scale = 1.0 / std::sqrt(double(c.E));
+  auto copy = [](const auto& t, std::vector<double>& dst) {
+    for (int b = 0; b < t.B; ++b)
+      for (int h = 0; h < t.H; ++h)
+        for (int r = 0; r < t.rows; ++r)
+          for (int e = 0; e < t.cols; ++e) dst.push_back(t.get(b, h, r, e));
+  };
+  copy(q, pr.q);
+  copy(k, pr.k);
+  copy(v, pr.v);
+  copy(dout, pr.dout);
+  std::bernoulli_distribution coin(0.75);
+  pr.bool_mask.resize(size_t(c.B) * c.L * c.S);
+  for (auto& m : pr.bool_mask) m = coin(rng);
+  if (c.mask == 1 && c.L > 3) std::fill_n(pr.bool_mask.begin() + 3 * c.S, c.S, 0);  // row 3 sees nothing
+  std::uniform_real_distribution<float> u(-2.0f, 1.0f);
+  pr.float_mask.resize(c.S);
+  for (auto& m : pr.float_mask) m = u(rng);
+  pr.threshold = c.dropout > 0 ? dropout_threshold(c.dropout) : 0;
+  const Reference ref = reference(pr);
+
+  AttentionParams p;
+  p.dtype = dtype_of<T>();
+  p.outer.dims = 2;
+  p.outer.size[0] = c.B;
+  p.outer.size[1] = c.H;
+  p.num_outer = int64_t(c.B) * c.H;
+  p.len_q = c.L;
+  p.len_kv = c.S;
+  p.dim_qk = c.E;
+  p.dim_v = c.Ev;
+  p.q = q.matrix(c.H);
+  p.k = k.matrix(c.H);
+  p.v = v.matrix(c.H);
+  if (c.mask == 1) {
+    p.mask_kind = MaskKind::Bool;
+    p.mask.data = pr.bool_mask.data();
+    p.mask.outer_stride[0] = int64_t(c.L) * c.S;  // (B, 1, L, S): heads broadcast
+    p.mask.divisor[0] = p.mask.divisor[1] = 1;
+    p.mask.row_stride = c.S;
+    p.mask.col_stride = 1;
+  } else if (c.mask == 2) {
+    p.mask_kind = MaskKind::AdditiveFloat32;
+    p.mask.data = pr.float_mask.data();
+    p.mask.divisor[0] = p.mask.divisor[1] = 1;
+    p.mask.row_stride = 0;  // (S,): rows, batch and heads broadcast
+    p.mask.col_stride = 1;
+  }
+  p.scale = pr.scale;
+  p.is_causal = c.causal;
+  int64_t rng_state[2] = {-1, -1};
+  if (c.dropout > 0) {
+    p.dropout_p = c.dropout;
+    p.dropout_threshold = pr.threshold;
+    p.rng.seed = pr.stream.seed;
+    p.rng.offset = pr.stream.offset;
+    p.rng_state_out = rng_state;
+  }
+  using A = typename simple::AccOf<T>::type;
+  Tensor4<T> out(c.B, c.H, c.L, c.Ev);
+  p.out = out.matrix(c.H);
+  std::vector<A> lse(size_t(c.B) * c.H * c.L, A(-7));
+  p.lse = lse.data();
+
+  const int D = flash_head_dim_group(c.E, c.Ev);
+  const unsigned rows_blocks = unsigned((p.num_outer * c.L + simple::kWarpsPerBlock - 1) / simple::kWarpsPerBlock);
+  if (kernels == Kernels::TensorCores) {
+    const unsigned blocks = unsigned((c.L + flash_fwd::kBlockQ - 1) / flash_fwd::kBlockQ * p.num_outer);
+    emulation::launch(blocks, flash_fwd::kThreads, flash_fwd::smem_bytes(D), [&] {
+      if constexpr (std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>) {
+        if (D == 64) flash_fwd::kernel<T, 64>(p);
+        else if (D == 128) flash_fwd::kernel<T, 128>(p);
+        else flash_fwd::kernel<T, 256>(p);
+      }
+    });
+  } else {
+    emulation::launch(rows_blocks, simple::kWarpsPerBlock * 32,
+                      size_t(c.E + c.Ev) * sizeof(A) * simple::kWarpsPerBlock,
+                      [&] { simple::forward_kernel<T, A>(p); });
+  }
+  if (c.dropout > 0) {
+    EXPECT_EQ(rng_state[0], int64_t(pr.stream.seed));
+    EXPECT_EQ(rng_state[1], int64_t(pr.stream.offset));
+  }
+  const double tol = tolerance_for(p.dtype);
+  const int O = c.B * c.H;
+  EXPECT_LE(max_error(ref.out, [&](size_t n) {
+              const int o = int(n / (size_t(c.L) * c.Ev)), i = int(n / c.Ev % c.L), e = int(n % c.Ev);
+              return out.get(o / c.H, o % c.H, i, e);
+            }), tol) << "output";
+  for (int n = 0; n < O * c.L; ++n) {
+    if (std::isinf(ref.lse[n])) {
+      ASSERT_TRUE(std::isinf(double(lse[n])) && lse[n] > 0) << "lse of an empty row, index " << n;
+    } else {
+      ASSERT_NEAR(double(lse[n]), ref.lse[n], 1e-4 * std::max(1.0, std::abs(ref.lse[n]))) << "lse " << n;
+    }
+  }
+
+  // The attention weights pass (MultiheadAttention's need_weights), per head
+  // and averaged over heads, from the forward's log-sum-exp.
+  for (const int64_t heads : {int64_t(1), int64_t(c.H)}) {
+    WeightsParams wp;
+    wp.fwd = p;
+    wp.fwd.rng_state_out = nullptr;
+    wp.fwd.rng_state_in = c.dropout > 0 ? rng_state : nullptr;
+    wp.lse = lse.data();
+    wp.heads_per_item = heads;
+    std::vector<T> weights(size_t(O / heads) * c.L * c.S, from_double<T>(-9));
+    wp.weights = weights.data();
+    const size_t w = simple::kWarpsPerBlock;
+    emulation::launch(unsigned((O / heads * c.L + w - 1) / w), w * 32, size_t(heads * c.E) * sizeof(A) * w,
+                      [&] { simple::weights_kernel<T, A>(wp); });
+    std::vector<double> want(weights.size(), 0.0);
+    for (size_t n = 0; n < ref.weights.size(); ++n) {
+      const size_t o = n / (size_t(c.L) * c.S), rest = n % (size_t(c.L) * c.S);
+      want[o / heads * c.L * c.S + rest] += ref.weights[n] / double(heads);
+    }
+    EXPECT_LE(max_error(want, [&](size_t n) { return to_double(weights[n]); }), tol)
+        << "weights, averaged over " << heads << " heads";
+  }
+
+  // Backward, from the kernel's own output and log-sum-exp.
+  std::vector<A> delta(size_t(O) * c.L);
+  for (int o = 0; o < O; ++o)
+    for (int i = 0; i < c.L; ++i) {
+      double s = 0;
+      for (int e = 0; e < c.Ev; ++e) s += out.get(o / c.H, o % c.H, i, e) * dout.get(o / c.H, o % c.H, i, e);
+      delta[size_t(o) * c.L + i] = A(s);
+    }
+  BackwardParams bp;
+  bp.fwd = p;
+  bp.fwd.rng_state_out = nullptr;
+  bp.fwd.rng_state_in = c.dropout > 0 ? rng_state : nullptr;
+  bp.grad_out = dout.matrix(c.H);
+  bp.lse = lse.data();
+  bp.delta = delta.data();
+  std::vector<A> grad_q(size_t(O) * c.L * c.E, A(0)), grad_k(size_t(O) * c.S * c.E, A(-3)),
+      grad_v(size_t(O) * c.S * c.Ev, A(-3));
+  bp.grad_q = grad_q.data();
+  bp.grad_k = grad_k.data();
+  bp.grad_v = grad_v.data();
+  if (kernels == Kernels::TensorCores) {
+    const unsigned blocks = unsigned((c.S + flash_bwd::kBlockKV - 1) / flash_bwd::kBlockKV * O);
+    emulation::launch(blocks, flash_bwd::kThreads, flash_bwd::smem_bytes(D), [&] {
+      if constexpr (std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>) {
+        if (D == 64) flash_bwd::kernel<T, 64>(bp);
+        else if (D == 128) flash_bwd::kernel<T, 128>(bp);
+        else flash_bwd::kernel<T, 256>(bp);
+      }
+    });
+  } else {
+    const size_t w = simple::kWarpsPerBlock;
+    emulation::launch(rows_blocks, w * 32, size_t(2 * c.E + c.Ev) * sizeof(A) * w,
+                      [&] { simple::backward_dq_kernel<T, A>(bp); });
+    emulation::launch(unsigned((O * c.S + w - 1) / w), w * 32, size_t(2 * c.E + 2 * c.Ev) * sizeof(A) * w,
+                      [&] { simple::backward_dkdv_kernel<T, A>(bp); });
+  }
+  // Gradients round through 16-bit P and dS on tensor cores: a looser bound.
+  const double gtol = kernels == Kernels::TensorCores ? 3 * tol : tol;
+  EXPECT_LE(max_error(ref.dq, [&](size_t n) { return double(grad_q[n]); }), gtol) << "grad_q";
+  EXPECT_LE(max_error(ref.dk, [&](size_t n) { return double(grad_k[n]); }), gtol) << "grad_k";
+  EXPECT_LE(max_error(ref.dv, [&](size_t n) { return double(grad_v[n]); }), gtol) << "grad_v";
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> all;
+  Case base;
+  all.push_back(base);                                   // plain, L != S, tails on both
+  Case c = base; c.causal = true; all.push_back(c);      // causal, L < S
+  c = base; c.L = 130; c.S = 70; c.causal = true; all.push_back(c);  // causal, L > S
+  c = base; c.mask = 1; all.push_back(c);                // bool mask with an empty row
+  c = base; c.mask = 2; c.causal = true; all.push_back(c);  // float mask + causal
+  c = base; c.H = 4; c.Hkv = 2; all.push_back(c);        // GQA
+  c = base; c.dropout = 0.3; all.push_back(c);           // dropout
+  c = base; c.row_pad = 4; c.E = 36; c.Ev = 20; all.push_back(c);  // strided rows, E != Ev, partial chunks
+  c = base; c.L = 1; c.S = 1; all.push_back(c);          // one query, one key
+  c = base; c.L = 65; c.S = 200; c.E = c.Ev = 128; c.causal = true; c.dropout = 0.2; all.push_back(c);
+  c = base; c.H = 1; c.Hkv = 1; c.L = 66; c.S = 70; c.E = c.Ev = 256; c.mask = 1; all.push_back(c);
+  return all;
+}
+
+TEST(CudaEmulated, TensorCoreKernelsHalf) {
+  for (const Case& c : cases()) run_case<__half>(c, Kernels::TensorCores);
+}
+
+TEST(CudaEmulated, TensorCoreKernelsBFloat16) {
+  for (const Case& c : cases()) run_case<__nv_bfloat16>(c, Kernels::TensorCores);
+}
+
+TEST(CudaEmulated, SimpleKernels) {
+  // (Slow to emulate: a shuffle per key. Nothing in them is head-dim specific.)
+  for (const Case& c : cases()) {
+    if (c.E <= 64) run_case<float>(c, Kernels::Simple);
+  }
+  Case c;
+  c.dropout = 0.3;
+  c.mask = 1;
+  run_case<double>(c, Kernels::Simple);
+  c.dropout = 0.0;
+  c.mask = 2;
+  c.causal = true;
+  run_case<__half>(c, Kernels::Simple);
+}
+
+}  // namespace
+}  // namespace fusedmha::cuda
