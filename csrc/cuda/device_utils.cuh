@@ -111,6 +111,12 @@ __device__ __forceinline__ DropoutStream dropout_stream(const AttentionParams& p
   return {p.rng.seed, p.rng.offset};
 }
 
+// Word `index` (0..3, known only at run time) of a Philox block, by
+// selects: a run-time index into the array would put it in local memory.
+__device__ __forceinline__ uint32_t philox_word(const Philox4x32& block, int index) {
+  return index == 0 ? block.v[0] : index == 1 ? block.v[1] : index == 2 ? block.v[2] : block.v[3];
+}
+
 // Element (o, i, j) survives dropout.
 __device__ __forceinline__ bool dropout_keeps(const DropoutStream& s, uint32_t threshold, int64_t o,
                                               int64_t i, int64_t j) {

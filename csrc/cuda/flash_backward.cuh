@@ -101,6 +101,29 @@ __global__ void __launch_bounds__(kThreads) kernel(const BackwardParams bp) {
 #pragma unroll
     for (int n = 0; n < 4; ++n) {
       const int qc = wc * 32 + n * 8 + 2 * t4;  // query column of e = 0, 1
+      // The stream's words of this thread's elements of n-tile n, [h][e]:
+      // element (query q0 + qc + e, key k0 + wr*16 + g + 8h) is word g % 4
+      // of block (query, (k0 + wr*16 + 8h)/4 + g/4). The four lanes that
+      // differ in g % 4 need the same four blocks (h, e), each a different
+      // word: each lane computes block r = g % 4 (h = r/2, e = r%2) and the
+      // four swap words (a 4x4 transpose by xor shuffles over lane bits 2-3).
+      uint32_t bits[2][2];
+      if (dropout) {
+        const int r = g & 3;
+        const Philox4x32 block =
+            stream.block(o, q0 + qc + (r & 1), (k0 + wr * 16 + 8 * (r >> 1)) / 4 + g / 4);
+        uint32_t got[4];  // got[x]: word r of block r ^ x
+        got[0] = philox_word(block, r);
+#pragma unroll
+        for (int x = 1; x < 4; ++x) {
+          got[x] = __shfl_xor_sync(0xffffffffu, philox_word(block, r ^ x), x << 2);
+        }
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int x = r ^ c;
+          bits[c >> 1][c & 1] = x == 0 ? got[0] : x == 1 ? got[1] : x == 2 ? got[2] : got[3];
+        }
+      }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int kr = wr * 16 + g + 8 * h;  // key row
@@ -123,7 +146,7 @@ __global__ void __launch_bounds__(kThreads) kernel(const BackwardParams bp) {
           if (dropout) {
             // Pᵀ∘Z with Z in {0, 1} (16-bit storage; 1/(1−p) is applied to
             // dV at the end), dP∘Z/(1−p) in fp32.
-            const bool keep = i < p.len_q && dropout_keeps(stream, p.dropout_threshold, o, i, j);
+            const bool keep = i < p.len_q && bits[h][e] >= p.dropout_threshold;
             pd = keep ? pr : 0.0f;
             dp = keep ? dp * keep_scale : 0.0f;
           }

@@ -121,25 +121,29 @@ __global__ void __launch_bounds__(kThreads) kernel(const AttentionParams p) {
     float tile_sum[2] = {0.0f, 0.0f};
 #pragma unroll
     for (int n = 0; n < kBlockKV / 8; ++n) {
-      Philox4x32 bits[2];
+      // The stream's words of this thread's elements: [row g / g+8][column 2·t4 + e].
+      uint32_t bits[2][2];
       if (dropout) {
-        // Columns 2·t4, +1 of this n-tile lie in the group of four keys
-        // (k0 + 8n)/4 + t4/2 of the stream.
+        // Columns 2·t4, +1 of this n-tile are words 2·(t4 % 2), +1 of the
+        // group of four keys (k0 + 8n)/4 + t4/2. Lanes t4 = 2m and 2m+1
+        // need the same two blocks (rows g and g+8): each computes one row's
+        // and hands the other the two words it needs.
         const int64_t j4 = (k0 + n * 8) / 4 + t4 / 2;
-        bits[0] = stream.block(o, row_of[0], j4);
-        bits[1] = stream.block(o, row_of[1], j4);
+        const int mine = t4 & 1;  // 0: row g, 1: row g+8
+        const Philox4x32 block = stream.block(o, mine ? row_of[1] : row_of[0], j4);
+        const uint32_t got0 = __shfl_xor_sync(0xffffffffu, mine ? block.v[0] : block.v[2], 1);
+        const uint32_t got1 = __shfl_xor_sync(0xffffffffu, mine ? block.v[1] : block.v[3], 1);
+        bits[0][0] = mine ? got0 : block.v[0];
+        bits[0][1] = mine ? got1 : block.v[1];
+        bits[1][0] = mine ? block.v[2] : got0;
+        bits[1][1] = mine ? block.v[3] : got1;
       }
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int h = e / 2;
         float pr = exp2f(s[n][e] - tile_max[h]);
         tile_sum[h] += pr;
-        if (dropout) {
-          // Word 2·(t4 % 2) + (e % 2) of the block, picked without a
-          // run-time index (which would put the block in local memory).
-          const uint32_t word = (t4 & 1) ? bits[h].v[2 + (e & 1)] : bits[h].v[e & 1];
-          if (word < p.dropout_threshold) pr = 0.0f;
-        }
+        if (dropout && bits[h][e & 1] < p.dropout_threshold) pr = 0.0f;
         s[n][e] = pr;
       }
     }
