@@ -399,6 +399,7 @@ std::vector<Case> cases() {
   c = base; c.dropout = 0.3; all.push_back(c);           // dropout
   c = base; c.row_pad = 4; c.E = 36; c.Ev = 20; all.push_back(c);  // strided rows, E != Ev, partial chunks
   c = base; c.L = 1; c.S = 1; all.push_back(c);          // one query, one key
+  c = base; c.L = 5; c.S = 0; all.push_back(c);          // no keys: output 0, lse +inf
   c = base; c.L = 65; c.S = 200; c.E = c.Ev = 128; c.causal = true; c.dropout = 0.2; all.push_back(c);
   c = base; c.H = 1; c.Hkv = 1; c.L = 66; c.S = 70; c.E = c.Ev = 256; c.mask = 1; all.push_back(c);
   return all;
