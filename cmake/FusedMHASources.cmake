@@ -4,6 +4,7 @@ set(FUSEDMHA_SOURCES
   csrc/ops/registration.cpp
   csrc/ops/attention.cpp
   csrc/ops/attention_checks.cpp
+  csrc/ops/kernel_inputs.cpp
   csrc/ops/attention_meta.cpp
   csrc/ops/attention_autograd.cpp
   csrc/ops/build_info.cpp

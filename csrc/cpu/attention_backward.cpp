@@ -5,6 +5,7 @@
 
 #include "cpu/launch.h"
 #include "ops/attention_checks.h"
+#include "ops/kernel_inputs.h"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -51,8 +52,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
   ops::check_attention_backward_inputs(grad_out, query, key, value, out, logsumexp, rng_state,
                                        attn_mask, dropout_p, is_causal, scale, enable_gqa);
   AttentionInputs inputs(query, key, value, attn_mask, is_causal, scale, enable_gqa);
-  const at::Tensor out_c = last_dim_contiguous(out);
-  const at::Tensor grad_out_c = last_dim_contiguous(grad_out);
+  const at::Tensor out_c = ops::last_dim_contiguous(out);
+  const at::Tensor grad_out_c = ops::last_dim_contiguous(grad_out);
   const at::Tensor lse = logsumexp.contiguous();
 
   BackwardParams bp;

@@ -4,21 +4,13 @@
 // pointers, sizes and strides, no ATen types, so the kernels compile fast
 // and can be read on their own.
 
+#include "common/attention_types.h"
 #include "common/philox.h"
 
 #include <cstddef>
 #include <cstdint>
 
 namespace fusedmha::cpu {
-
-enum class DType { Float32, Float64, BFloat16, Float16 };
-
-enum class MaskKind {
-  None,
-  Bool,            // true = may attend
-  Additive,        // added to the scores, query's dtype
-  AdditiveFloat32  // added to the scores, float32 (for half-precision queries)
-};
 
 // The (row, col) matrices of one input, one matrix per "outer" index (the
 // flattened batch dims and heads of the output). The host lists the element

@@ -2,6 +2,7 @@
 
 #include "cpu/isa.h"
 #include "ops/attention_checks.h"
+#include "ops/kernel_inputs.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
@@ -11,24 +12,6 @@
 #include <memory>
 
 namespace fusedmha::cpu {
-namespace {
-
-DType dtype_of(at::ScalarType t) {
-  switch (t) {
-    case at::kDouble: return DType::Float64;
-    case at::kBFloat16: return DType::BFloat16;
-    case at::kHalf: return DType::Float16;
-    default: return DType::Float32;
-  }
-}
-
-// Stride of one of the last two dims; a size-1 dim broadcasts (stride 0).
-int64_t broadcast_stride(const at::Tensor& t, int64_t dim) {
-  if (t.dim() < -dim || t.size(dim) == 1) return 0;
-  return t.stride(dim);
-}
-
-}  // namespace
 
 IsaKernels selected_kernels() {
 #define FUSEDMHA_KERNELS(LEVEL)                                                    \
@@ -73,19 +56,15 @@ std::vector<int64_t> outer_offsets(const at::Tensor& t, c10::IntArrayRef outer) 
   return offsets;
 }
 
-at::Tensor last_dim_contiguous(const at::Tensor& t) {
-  return t.size(-1) <= 1 || t.stride(-1) == 1 ? t : t.contiguous();
-}
-
 AttentionInputs::AttentionInputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const std::optional<at::Tensor>& attn_mask, bool is_causal,
                                  std::optional<double> scale, bool enable_gqa)
-    : query(last_dim_contiguous(q)), key(last_dim_contiguous(k)), value(last_dim_contiguous(v)) {
+    : query(ops::last_dim_contiguous(q)), key(ops::last_dim_contiguous(k)), value(ops::last_dim_contiguous(v)) {
   for (const c10::SymInt& s : ops::attention_outer_shape(query, key, value, enable_gqa)) {
     outer_shape.push_back(s.expect_int());
   }
   ForwardParams& p = params;
-  p.dtype = dtype_of(query.scalar_type());
+  p.dtype = ops::dtype_of(query.scalar_type());
   p.len_q = query.size(-2);
   p.len_kv = key.size(-2);
   p.dim_qk = query.size(-1);
@@ -97,11 +76,9 @@ AttentionInputs::AttentionInputs(const at::Tensor& q, const at::Tensor& k, const
   if (attn_mask.has_value()) {
     const at::Tensor& mask = *attn_mask;
     p.mask = view(mask);
-    p.mask.row_stride = broadcast_stride(mask, -2);
-    p.mask.col_stride = broadcast_stride(mask, -1);
-    p.mask_kind = mask.scalar_type() == at::kBool             ? MaskKind::Bool
-                  : mask.scalar_type() == query.scalar_type() ? MaskKind::Additive
-                                                              : MaskKind::AdditiveFloat32;
+    p.mask.row_stride = ops::broadcast_stride(mask, -2);
+    p.mask.col_stride = ops::broadcast_stride(mask, -1);
+    p.mask_kind = ops::mask_kind_of(mask, query);
   }
   p.scale = ops::attention_scale(query, scale);
   p.is_causal = is_causal;
@@ -110,7 +87,7 @@ AttentionInputs::AttentionInputs(const at::Tensor& q, const at::Tensor& k, const
 
 MatrixView AttentionInputs::view(const at::Tensor& t) {
   offsets_.push_back(outer_offsets(t, outer_shape));
-  return {t.const_data_ptr(), offsets_.back().data(), broadcast_stride(t, -2), 1};
+  return {t.const_data_ptr(), offsets_.back().data(), ops::broadcast_stride(t, -2), 1};
 }
 
 void replay_dropout(ForwardParams& p, const at::Tensor& rng_state, double dropout_p) {

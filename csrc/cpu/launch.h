@@ -34,9 +34,6 @@ IsaKernels selected_kernels();
 // head count that divides the output's maps head h to h / (H / H_t) (GQA).
 std::vector<int64_t> outer_offsets(const at::Tensor& t, c10::IntArrayRef outer);
 
-// t itself when its last dim is contiguous, else a copy that is.
-at::Tensor last_dim_contiguous(const at::Tensor& t);
-
 // The inputs of an attention call, described for the kernels. Owns the
 // offset tables the params point into, so it must outlive the kernel run.
 struct AttentionInputs {

@@ -12,6 +12,7 @@
 #include "cuda/flash_config.h"
 #include "cuda/kernels.h"
 #include "ops/attention_checks.h"
+#include "ops/kernel_inputs.h"
 
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAGeneratorImpl.h>
@@ -29,20 +30,8 @@
 namespace fusedmha::cuda {
 namespace {
 
-DType dtype_of(at::ScalarType t) {
-  switch (t) {
-    case at::kDouble: return DType::Float64;
-    case at::kBFloat16: return DType::BFloat16;
-    case at::kHalf: return DType::Float16;
-    default: return DType::Float32;
-  }
-}
-
-// Stride of one of the last two dims; a missing or size-1 dim broadcasts.
-int64_t broadcast_stride(const at::Tensor& t, int64_t dim) {
-  if (t.dim() < -dim || t.size(dim) == 1) return 0;
-  return t.stride(dim);
-}
+using ops::broadcast_stride;
+using ops::last_dim_contiguous;
 
 // t's (rows, cols) matrices, indexed by the output's outer dims (batch dims
 // and heads): dims t lacks or has as size 1 broadcast, a head count that
@@ -62,10 +51,6 @@ Matrix matrix_of(const at::Tensor& t, const OuterShape& outer) {
   m.row_stride = broadcast_stride(t, -2);
   m.col_stride = broadcast_stride(t, -1);
   return m;
-}
-
-at::Tensor last_dim_contiguous(const at::Tensor& t) {
-  return t.size(-1) <= 1 || t.stride(-1) == 1 ? t : t.contiguous();
 }
 
 // The tensor-core kernels load rows with 16-byte copies: contiguous
@@ -97,7 +82,7 @@ struct CudaAttention {
                 const std::optional<at::Tensor>& attn_mask, bool is_causal,
                 std::optional<double> scale, bool enable_gqa, Pass pass) {
     AttentionParams& p = params;
-    p.dtype = dtype_of(q.scalar_type());
+    p.dtype = ops::dtype_of(q.scalar_type());
     const std::vector<c10::SymInt> outer = ops::attention_outer_shape(q, k, v, enable_gqa);
     TORCH_CHECK(outer.size() <= static_cast<size_t>(kMaxOuterDims),
                 "fusedmha.scaled_dot_product_attention (CUDA): at most ", kMaxOuterDims - 1,
@@ -123,9 +108,7 @@ struct CudaAttention {
     if (attn_mask.has_value()) {
       const at::Tensor& mask = *attn_mask;
       p.mask = matrix_of(mask, p.outer);
-      p.mask_kind = mask.scalar_type() == at::kBool      ? MaskKind::Bool
-                    : mask.scalar_type() == q.scalar_type() ? MaskKind::Additive
-                                                          : MaskKind::AdditiveFloat32;
+      p.mask_kind = ops::mask_kind_of(mask, q);
     }
     // With no query/key dims every score is 0, whatever the (then
     // infinite) default scale says.

@@ -5,18 +5,11 @@
 // the kernels include no torch header and nothing is copied to the device
 // before a launch (which keeps them usable under CUDA graph capture).
 
+#include "common/attention_types.h"
+
 #include <cstdint>
 
 namespace fusedmha::cuda {
-
-enum class DType { Float32, Float64, BFloat16, Float16 };
-
-enum class MaskKind {
-  None,
-  Bool,            // true = may attend
-  Additive,        // added to the scores, query's dtype
-  AdditiveFloat32  // added to the scores, float32 (for half-precision queries)
-};
 
 // Outer index o (the flattened batch dims and heads of the output) split
 // into its dims, innermost (heads) last.

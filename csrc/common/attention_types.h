@@ -1,0 +1,17 @@
+#pragma once
+
+// What the host wrappers tell the kernels (CPU and CUDA alike) about the
+// element type and the kind of attn_mask. Plain C++, for host and device.
+
+namespace fusedmha {
+
+enum class DType { Float32, Float64, BFloat16, Float16 };
+
+enum class MaskKind {
+  None,
+  Bool,            // true = may attend
+  Additive,        // added to the scores, query's dtype
+  AdditiveFloat32  // added to the scores, float32 (for half-precision queries)
+};
+
+}  // namespace fusedmha
