@@ -46,6 +46,7 @@ void syncthreads();
 void syncwarp();
 uint32_t shfl_xor_u32(uint32_t value, int lane_mask);
 uint64_t shfl_xor_u64(uint64_t value, int lane_mask);
+uint64_t shfl_idx_u64(uint64_t value, int src_lane);
 
 void cp_async_16(void* dst, const void* src, int src_bytes);
 inline void cp_async_commit() {}
@@ -65,6 +66,17 @@ inline void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32
   } else {
     mma_16816_bf16(d, a, b0, b1);
   }
+}
+
+// Every lane gets src_lane's value.
+template <typename T>
+inline T shfl_idx(T value, int src_lane) {
+  static_assert(sizeof(T) <= 8, "up to 64-bit shuffles");
+  uint64_t bits = 0;
+  std::memcpy(&bits, &value, sizeof(T));
+  bits = shfl_idx_u64(bits, src_lane);
+  std::memcpy(&value, &bits, sizeof(T));
+  return value;
 }
 
 template <typename T>
@@ -95,6 +107,10 @@ inline void __syncwarp(unsigned = 0xffffffffu) { ::fusedmha::cuda::emulation::sy
 template <typename T>
 inline T __shfl_xor_sync(unsigned, T value, int lane_mask) {
   return ::fusedmha::cuda::emulation::shfl_xor(value, lane_mask);
+}
+template <typename T>
+inline T __shfl_sync(unsigned, T value, int src_lane) {
+  return ::fusedmha::cuda::emulation::shfl_idx(value, src_lane);
 }
 // Fibers of a block never run at the same time: a plain add is atomic.
 template <typename T>

@@ -35,6 +35,13 @@ __device__ __forceinline__ double to_acc<double, double>(double x) {
 }
 
 template <typename A>
+__device__ __forceinline__ A warp_max(A x) {
+#pragma unroll
+  for (int d = 16; d > 0; d /= 2) x = fmax(x, __shfl_xor_sync(0xffffffffu, x, d));
+  return x;
+}
+
+template <typename A>
 __device__ __forceinline__ A warp_sum(A x) {
 #pragma unroll
   for (int d = 16; d > 0; d /= 2) x += __shfl_xor_sync(0xffffffffu, x, d);
@@ -80,22 +87,37 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) forward_kernel(const Atte
   const A scale = static_cast<A>(p.scale);
   for (int e = lane; e < dk; e += 32) q_s[e] = (to_acc<A>(q[e])) * scale;
   for (int e = lane; e < dv; e += 32) o_s[e] = 0;
+  __syncwarp();  // every lane reads all of q_s
 
+  // Keys in chunks of 32, one per lane: each lane scores its key, the warp
+  // agrees on the chunk's max and sum, then walks the chunk's keys adding
+  // their value rows (lanes over head dims again).
   const int64_t kv_end = p.is_causal ? min64(p.len_kv, i + 1) : p.len_kv;
   A m = -INFINITY, l = 0;
-  for (int64_t j = 0; j < kv_end; ++j) {
-    A x = dot_row<T, A>(q_s, k + j * p.k.row_stride, 1, dk, lane);
-    if (p.mask_kind != MaskKind::None) x += mask_term<A>(p, mask_base, i, j);
-    if (x == A(-INFINITY)) continue;
-    const A m_new = fmax(m, x);
-    const A alpha = exp_acc(m - m_new);
-    A pr = exp_acc(x - m_new);
-    l = l * alpha + pr;
+  for (int64_t j0 = 0; j0 < kv_end; j0 += 32) {
+    const int64_t j = j0 + lane;
+    A x = -INFINITY;
+    if (j < kv_end) {
+      const T* k_row = k + j * p.k.row_stride;
+      A s = 0;
+      for (int e = 0; e < dk; ++e) s += q_s[e] * to_acc<A>(k_row[e]);
+      x = s;
+      if (p.mask_kind != MaskKind::None) x += mask_term<A>(p, mask_base, i, j);
+    }
+    const A m_new = fmax(m, warp_max(x));
+    const A m_use = m_new == A(-INFINITY) ? A(0) : m_new;  // no visible key yet
+    const A alpha = exp_acc(m - m_use);
+    A pr = x == A(-INFINITY) ? A(0) : exp_acc(x - m_use);
+    l = l * alpha + warp_sum(pr);
     m = m_new;
-    if (dropout && !dropout_keeps(stream, p.dropout_threshold, o, i, j)) pr = 0;
-    const T* v_row = v + j * p.v.row_stride;
-    for (int e = lane; e < dv; e += 32) {
-      o_s[e] = o_s[e] * alpha + pr * (to_acc<A>(v_row[e]));
+    if (dropout && j < kv_end && !dropout_keeps(stream, p.dropout_threshold, o, i, j)) pr = 0;
+    for (int e = lane; e < dv; e += 32) o_s[e] *= alpha;
+    const int n = static_cast<int>(min64(32, kv_end - j0));
+    for (int t = 0; t < n; ++t) {
+      const A pt = __shfl_sync(0xffffffffu, pr, t);
+      if (pt == A(0)) continue;  // (warp-uniform)
+      const T* v_row = v + (j0 + t) * p.v.row_stride;
+      for (int e = lane; e < dv; e += 32) o_s[e] += pt * to_acc<A>(v_row[e]);
     }
   }
   A inv, lse;

@@ -221,6 +221,15 @@ uint64_t shfl_xor_u64(uint64_t value, int lane_mask) {
   return other;
 }
 
+uint64_t shfl_idx_u64(uint64_t value, int src_lane) {
+  Block& b = *g_block;
+  b.slots[b.current * 8] = value;
+  syncwarp();
+  const uint64_t other = b.slots[(warp_base() + (src_lane & 31)) * 8];
+  syncwarp();
+  return other;
+}
+
 void cp_async_16(void* dst, const void* src, int src_bytes) {
   std::memset(dst, 0, 16);
   if (src_bytes > 0) std::memcpy(dst, src, src_bytes);
