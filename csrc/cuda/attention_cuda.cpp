@@ -155,14 +155,11 @@ void check_launch(cudaError_t err, const char* what) {
 }
 
 // Shared memory the simple kernels need, checked before they are chosen.
-void check_simple_smem(const at::Tensor& q, DType dtype, size_t per_warp_elements,
-                       const char* what) {
-  const size_t need = simple_smem_bytes(dtype, per_warp_elements);
+void check_simple_smem(const at::Tensor& q, size_t need, const char* what) {
   const size_t have = at::cuda::getDeviceProperties(q.device().index())->sharedMemPerBlockOptin;
-  TORCH_CHECK(need <= have, "fusedmha (CUDA ", what, "): ", per_warp_elements,
-              " accumulators per query row (head dims, times the heads averaged for "
-              "average_attn_weights) need ", need, " bytes of shared memory per block, this GPU "
-              "has ", have);
+  TORCH_CHECK(need <= have, "fusedmha (CUDA ", what, "): head dims this large (query/key ",
+              q.size(-1), ", times the heads averaged for average_attn_weights) need ", need,
+              " bytes of shared memory per block for the row accumulators, this GPU has ", have);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(
@@ -196,9 +193,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(
     }
     p.dropout_p = dropout_p;
     p.dropout_threshold = dropout_threshold(dropout_p);
-    p.rng_state_out = rng_state.mutable_data_ptr<int64_t>();
+  }
+  if (empty) {
+    rng_state.zero_();  // (no kernel runs to write it)
   } else {
-    rng_state.zero_();
+    p.rng_state_out = rng_state.mutable_data_ptr<int64_t>();
   }
   p.out = matrix_of(out, p.outer);
   p.lse = lse.mutable_data_ptr();
@@ -207,7 +206,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(
   if (call.flash) {
     check_launch(flash_forward(p, stream), "forward (tensor cores)");
   } else {
-    check_simple_smem(query, p.dtype, p.dim_qk + p.dim_v, "forward");
+    check_simple_smem(query, simple_forward_smem(p), "forward");
     check_launch(simple_forward(p, stream), "forward");
   }
   return {out, lse, rng_state};
@@ -256,7 +255,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
     if (call.flash) {
       check_launch(flash_backward(bp, stream), "backward (tensor cores)");
     } else {
-      check_simple_smem(query, p.dtype, 2 * p.dim_qk + 2 * p.dim_v, "backward");
+      check_simple_smem(query, simple_backward_smem(p), "backward");
       check_launch(simple_backward(bp, stream), "backward");
     }
   } else {
@@ -288,7 +287,7 @@ at::Tensor attention_weights_cuda(const at::Tensor& query, const at::Tensor& key
   wp.lse = lse.const_data_ptr();
   wp.heads_per_item = average_heads ? wp.fwd.outer.size[wp.fwd.outer.dims - 1] : 1;
   wp.weights = weights.mutable_data_ptr();
-  check_simple_smem(query, wp.fwd.dtype, wp.heads_per_item * wp.fwd.dim_qk, "attention weights");
+  check_simple_smem(query, simple_weights_smem(wp), "attention weights");
   check_launch(simple_weights(wp, at::cuda::getCurrentCUDAStream()), "attention weights");
   return weights;
 }

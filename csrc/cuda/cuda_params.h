@@ -78,7 +78,7 @@ struct AttentionParams {
   double dropout_p = 0.0;
   uint32_t dropout_threshold = 0;
   RngSource rng;
-  int64_t* rng_state_out = nullptr;  // the forward writes (seed, offset) here
+  int64_t* rng_state_out = nullptr;  // the forward writes (seed, offset) here, (0, 0) without dropout
   // The backward and the weights pass read (seed, offset) from here (a
   // device tensor, so no host sync) when not null.
   const int64_t* rng_state_in = nullptr;

@@ -16,6 +16,10 @@
 
 #include <cuda_runtime_api.h>
 
+#if !defined(FUSEDMHA_CUDA_EMULATION)
+#include "cuda/launch.cuh"
+#endif
+
 namespace fusedmha::cuda {
 
 namespace flash_bwd {
@@ -216,18 +220,10 @@ __global__ void __launch_bounds__(kThreads) kernel(const BackwardParams bp) {
 #if !defined(FUSEDMHA_CUDA_EMULATION)
 template <typename T, int D>
 cudaError_t run_flash_backward(const BackwardParams& bp, cudaStream_t stream) {
-  const size_t smem = flash_bwd::smem_bytes(D);
-  auto* kernel = &flash_bwd::kernel<T, D>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(smem));
-  if (err != cudaSuccess) return err;
   const int64_t n_kv_tiles = (bp.fwd.len_kv + flash_bwd::kBlockKV - 1) / flash_bwd::kBlockKV;
-  const int64_t blocks = n_kv_tiles * bp.fwd.num_outer;
-  if (blocks == 0) return cudaSuccess;
-  kernel<<<static_cast<unsigned>(blocks), flash_bwd::kThreads, smem, stream>>>(bp);
-  return cudaGetLastError();
+  return launch_blocks(&flash_bwd::kernel<T, D>, n_kv_tiles * bp.fwd.num_outer,
+                       flash_bwd::kThreads, flash_bwd::smem_bytes(D), stream, bp);
 }
-
 #endif
 
 }  // namespace fusedmha::cuda

@@ -14,6 +14,10 @@
 
 #include <cuda_runtime_api.h>
 
+#if !defined(FUSEDMHA_CUDA_EMULATION)
+#include "cuda/launch.cuh"
+#endif
+
 namespace fusedmha::cuda {
 
 namespace flash_fwd {
@@ -45,7 +49,9 @@ __global__ void __launch_bounds__(kThreads) kernel(const AttentionParams p) {
 
   const bool dropout = p.dropout_p > 0.0;
   const DropoutStream stream = dropout ? dropout_stream(p) : DropoutStream{};
-  if (dropout && o == 0 && blockIdx.x % n_q_tiles == 0 && tid == 0 && p.rng_state_out != nullptr) {
+  // (seed, offset) of this call, (0, 0) without dropout: written by the
+  // kernel so that the host neither waits nor launches anything for it.
+  if (blockIdx.x == 0 && tid == 0 && p.rng_state_out != nullptr) {
     p.rng_state_out[0] = static_cast<int64_t>(stream.seed);
     p.rng_state_out[1] = static_cast<int64_t>(stream.offset);
   }
@@ -231,16 +237,9 @@ __global__ void __launch_bounds__(kThreads) kernel(const AttentionParams p) {
 #if !defined(FUSEDMHA_CUDA_EMULATION)
 template <typename T, int D>
 cudaError_t run_flash_forward(const AttentionParams& p, cudaStream_t stream) {
-  const size_t smem = flash_fwd::smem_bytes(D);
-  auto* kernel = &flash_fwd::kernel<T, D>;
-  cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-  if (err != cudaSuccess) return err;
   const int64_t n_q_tiles = (p.len_q + flash_fwd::kBlockQ - 1) / flash_fwd::kBlockQ;
-  const int64_t blocks = n_q_tiles * p.num_outer;
-  if (blocks == 0) return cudaSuccess;
-  kernel<<<static_cast<unsigned>(blocks), flash_fwd::kThreads, smem, stream>>>(p);
-  return cudaGetLastError();
+  return launch_blocks(&flash_fwd::kernel<T, D>, n_q_tiles * p.num_outer, flash_fwd::kThreads,
+                       flash_fwd::smem_bytes(D), stream, p);
 }
 
 #endif

@@ -24,8 +24,10 @@ cudaError_t simple_forward(const AttentionParams& p, cudaStream_t stream);
 // the gradients are deterministic; writes every row of grad_q/k/v.
 cudaError_t simple_backward(const BackwardParams& bp, cudaStream_t stream);
 cudaError_t simple_weights(const WeightsParams& wp, cudaStream_t stream);
-// Shared memory a simple kernel's block needs for per_warp_elements
-// accumulators per warp.
-size_t simple_smem_bytes(DType dtype, size_t per_warp_elements);
+// Shared memory per block the simple kernels need for a call (the host
+// checks it against the GPU's limit first, for a clear error).
+size_t simple_forward_smem(const AttentionParams& p);
+size_t simple_backward_smem(const AttentionParams& p);
+size_t simple_weights_smem(const WeightsParams& wp);
 
 }  // namespace fusedmha::cuda

@@ -72,7 +72,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) forward_kernel(const Atte
 
   const bool dropout = p.dropout_p > 0.0;
   const DropoutStream stream = dropout ? dropout_stream(p) : DropoutStream{};
-  if (dropout && blockIdx.x == 0 && threadIdx.x == 0 && p.rng_state_out != nullptr) {
+  if (blockIdx.x == 0 && threadIdx.x == 0 && p.rng_state_out != nullptr) {  // (0, 0) without dropout
     p.rng_state_out[0] = static_cast<int64_t>(stream.seed);
     p.rng_state_out[1] = static_cast<int64_t>(stream.offset);
   }
