@@ -4,7 +4,8 @@ set(FUSEDMHA_SOURCES
   csrc/ops/registration.cpp
   csrc/ops/attention.cpp
   csrc/ops/attention_checks.cpp
-  csrc/ops/kernel_inputs.cpp
+  csrc/ops/attention_shapes.cpp
+  csrc/ops/attention_params_filler.cpp
   csrc/ops/attention_meta.cpp
   csrc/ops/attention_autograd.cpp
   csrc/ops/build_info.cpp
@@ -14,7 +15,7 @@ set(FUSEDMHA_SOURCES
   csrc/cpu/attention_weights.cpp
   csrc/cpu/dropout_mask.cpp
   csrc/cpu/isa.cpp
-  csrc/cpu/launch.cpp
+  csrc/cpu/work_items.cpp
 )
 # Compiled once per ISA level (see FUSEDMHA_CPU_ISA_LEVELS).
 set(FUSEDMHA_CPU_ISA_SOURCES
@@ -32,11 +33,20 @@ set(FUSEDMHA_CUDA_KERNEL_SOURCES
   csrc/cuda/flash_dispatch.cu
   csrc/cuda/simple_kernels.cu
 )
-foreach(direction forward backward)
-  foreach(dim 64 128 256)
-    foreach(dtype fp16 bf16)
-      list(APPEND FUSEDMHA_CUDA_KERNEL_SOURCES
-           csrc/cuda/instances/flash_${direction}_hdim${dim}_${dtype}.cu)
+# The tensor-core instances, one file each, written into the build tree
+# from one template (csrc/cuda/flash_instance.cu.in).
+set(_flash_params_forward AttentionParams)
+set(_flash_params_backward BackwardParams)
+set(_flash_type_fp16 __half)
+set(_flash_type_bf16 __nv_bfloat16)
+foreach(FLASH_DIRECTION forward backward)
+  set(FLASH_PARAMS ${_flash_params_${FLASH_DIRECTION}})
+  foreach(FLASH_DIM 64 128 256)
+    foreach(_dtype fp16 bf16)
+      set(FLASH_TYPE ${_flash_type_${_dtype}})
+      set(_instance ${CMAKE_CURRENT_BINARY_DIR}/cuda_instances/flash_${FLASH_DIRECTION}_hdim${FLASH_DIM}_${_dtype}.cu)
+      configure_file(${CMAKE_CURRENT_LIST_DIR}/../csrc/cuda/flash_instance.cu.in ${_instance} @ONLY)
+      list(APPEND FUSEDMHA_CUDA_KERNEL_SOURCES ${_instance})
     endforeach()
   endforeach()
 endforeach()

@@ -1,9 +1,11 @@
 // Fused attention backward on the CPU, compiled once per ISA level.
 //
 // FlashAttention-2's backward, transposed like the forward (queries in the
-// vector lanes). One work item = one (batch·head, block of keys), so a
-// single (batch, head) still spreads over every thread. For each block of
-// queries that can see those keys it recomputes, never storing L×S:
+// vector lanes). The key blocks of each batch·head are dealt into
+// grad_q_splits interleaved sets (set s takes blocks s, s + splits, ...);
+// one work item = one (batch·head, set), so a single (batch, head) still
+// spreads over every thread. For each key block, and each block of queries
+// that can see those keys, it recomputes, never storing L×S:
 //   Pᵀ  = exp(K·(scale·Q)ᵀ − lse)          (masks as in the forward)
 //   Zᵀ  = Pᵀ ∘ M                          (M: the forward's dropout factors,
 //                                           regenerated; Z = P without dropout)
@@ -11,12 +13,12 @@
 //   dPᵀ = (V·dOᵀ) ∘ M
 //   dSᵀ = Pᵀ ∘ (dPᵀ − D),  D = rowsum(dO ∘ O)
 //   dK += dSᵀ·Q             (times scale at the end)
-//   dQ  = dSᵀᵀ·K            (handed to the host, which sums the key blocks)
+//   dQ += dSᵀᵀ·K            (into the set's own slice of grad_q; the host
+//                            adds the slices, so no two threads share memory)
 // with the same register-blocked micro-kernels, accumulating in fp32 (fp64
 // for double).
 
 #include "cpu/attention_tiles.h"
-#include "cpu/kernels.h"
 
 namespace fusedmha::cpu {
 namespace CPU_CAPABILITY {
@@ -46,10 +48,10 @@ struct BackwardWorkspace {
   acc_t* dvv;  // bkv × dv    dV accumulator
   acc_t* dq;   // bq × dqk    dQ of one query block
 
-  BackwardWorkspace(const BackwardParams& bp, Arena<acc_t>& arena) {
+  BackwardWorkspace(const BackwardParams& bp, const WorkSplit& split, Arena<acc_t>& arena) {
     constexpr int64_t nr = panel_width<acc_t>(), w = Vectorized<acc_t>::size();
-    const ForwardParams& p = bp.fwd;
-    const int64_t bq = p.block_q, bkv = p.block_kv;
+    const AttentionParams& p = bp.fwd;
+    const int64_t bq = split.block_q, bkv = split.block_kv;
     dqk = round_up(p.dim_qk, nr);
     dv = round_up(p.dim_v, nr);
     qt = arena.take(bq * p.dim_qk);
@@ -60,8 +62,8 @@ struct BackwardWorkspace {
     lse = arena.take(bq);
     pt = arena.take(bkv * bq);
     dst = arena.take(bkv * bq);
-    dm = p.dropout_p > 0 ? arena.take(bkv * bq) : nullptr;
-    zt = p.dropout_p > 0 ? arena.take(bkv * bq) : nullptr;
+    dm = p.dropout.on() ? arena.take(bkv * bq) : nullptr;
+    zt = p.dropout.on() ? arena.take(bkv * bq) : nullptr;
     k = arena.take(bkv * dqk);
     v = arena.take(bkv * dv);
     mt = arena.take(w * round_up(bkv, w));
@@ -79,40 +81,49 @@ class BackwardKernel {
   static constexpr int64_t nr = panel_width<acc_t>();
   static constexpr int64_t w = Vec::size();
 
-  BackwardKernel(const BackwardParams& bp, Arena<acc_t> arena)
-      : bp_(bp), p_(bp.fwd), tiles_(bp.fwd), ws_(bp, arena) {}
+  BackwardKernel(const BackwardParams& bp, const WorkSplit& split, Arena<acc_t> arena)
+      : bp_(bp), p_(bp.fwd), split_(split), tiles_(bp.fwd), ws_(bp, split, arena) {}
 
   void run(int64_t item) {
-    const int64_t nkb = num_key_blocks(bp_);
-    const int64_t o = item / nkb;
-    const int64_t k0 = (item % nkb) * p_.block_kv;
-    const int64_t cols = std::min(p_.block_kv, p_.len_kv - k0);
+    const int64_t splits = bp_.grad_q_splits;
+    const int64_t o = item / splits, set = item % splits;
+    acc_t* grad_q = static_cast<acc_t*>(bp_.grad_q) + (set * p_.num_outer + o) * p_.len_q * p_.dim_qk;
+    const int64_t nkb = div_up(p_.len_kv, split_.block_kv);
+    for (int64_t kb = set; kb < nkb; kb += splits) key_block(o, kb * split_.block_kv, grad_q);
+  }
+
+ private:
+  // dK and dV of keys k0.. of outer index o, and their share of dQ added
+  // into grad_q (o's rows of this set's slice).
+  void key_block(int64_t o, int64_t k0, acc_t* grad_q) {
+    const int64_t cols = std::min(split_.block_kv, p_.len_kv - k0);
     const int64_t E = p_.dim_qk, Ev = p_.dim_v;
 
     int64_t ldk, ldv;
-    const acc_t* k = Tiles::rows_of(p_.k, o, k0, cols, E, /*panel_rows=*/true, ws_.k, &ldk);
-    const acc_t* v = Tiles::rows_of(p_.v, o, k0, cols, Ev, /*panel_rows=*/false, ws_.v, &ldv);
+    const acc_t* k = tiles_.rows_of(p_.k, o, k0, cols, E, /*panel_rows=*/true, ws_.k, &ldk);
+    const acc_t* v = tiles_.rows_of(p_.v, o, k0, cols, Ev, /*panel_rows=*/false, ws_.v, &ldv);
     std::fill(ws_.dk, ws_.dk + cols * ws_.dqk, acc_t(0));
     std::fill(ws_.dvv, ws_.dvv + cols * ws_.dv, acc_t(0));
 
     // Causal (top-left): key j is seen by queries j.., so query blocks
     // entirely before k0 are skipped.
-    const int64_t q_begin = p_.is_causal ? k0 / p_.block_q * p_.block_q : 0;
-    for (int64_t q0 = q_begin; q0 < p_.len_q; q0 += p_.block_q) {
-      const int64_t rows = std::min(p_.block_q, p_.len_q - q0);
+    const int64_t block_q = split_.block_q;
+    const int64_t q_begin = p_.is_causal ? k0 / block_q * block_q : 0;
+    for (int64_t q0 = q_begin; q0 < p_.len_q; q0 += block_q) {
+      const int64_t rows = std::min(block_q, p_.len_q - q0);
       const int64_t bq = round_up(rows, nr);
       int64_t ldq, lddo;
-      Tiles::pack_transposed(p_.q, o, q0, rows, bq, E, static_cast<acc_t>(p_.scale), ws_.qt);
-      const acc_t* q = Tiles::rows_of(p_.q, o, q0, rows, E, true, ws_.q, &ldq);
-      Tiles::pack_transposed(bp_.grad_out, o, q0, rows, bq, Ev, acc_t(1), ws_.dot);
-      const acc_t* dout = Tiles::rows_of(bp_.grad_out, o, q0, rows, Ev, true, ws_.dor, &lddo);
+      tiles_.pack_transposed(p_.q, o, q0, rows, bq, E, static_cast<acc_t>(p_.scale), ws_.qt);
+      const acc_t* q = tiles_.rows_of(p_.q, o, q0, rows, E, true, ws_.q, &ldq);
+      tiles_.pack_transposed(bp_.grad_out, o, q0, rows, bq, Ev, acc_t(1), ws_.dot);
+      const acc_t* dout = tiles_.rows_of(bp_.grad_out, o, q0, rows, Ev, true, ws_.dor, &lddo);
       load_row_stats(o, q0, rows, bq, dout, lddo);
 
       tiles_.scores(k, ldk, cols, ws_.qt, bq, ws_.pt);
       tiles_.apply_masks(o, q0, rows, bq, k0, cols, ws_.pt, ws_.mt);
       probabilities(cols, bq);
       const acc_t* zt = ws_.pt;
-      if (p_.dropout_p > 0) {
+      if (p_.dropout.on()) {
         tiles_.dropout_factors(o, q0, rows, bq, k0, cols, ws_.dm);
         std::copy(ws_.pt, ws_.pt + cols * bq, ws_.zt);
         Tiles::scale_by(ws_.zt, ws_.dm, cols, bq);
@@ -124,29 +135,38 @@ class BackwardKernel {
       // dPᵀ = (V·dOᵀ) ∘ M, then dSᵀ = Pᵀ ∘ (dPᵀ − D)
       gemm<acc_t, /*kRowsOfA=*/true, /*kAccumulate=*/false>(
           cols, bq, Ev, v, ldv, [&](int64_t c) { return ws_.dot + c * Ev; }, nr, ws_.dst, bq);
-      if (p_.dropout_p > 0) Tiles::scale_by(ws_.dst, ws_.dm, cols, bq);
+      if (p_.dropout.on()) Tiles::scale_by(ws_.dst, ws_.dm, cols, bq);
       score_gradients(cols, bq);
       // dK += dSᵀ·Q
       gemm<acc_t, /*kRowsOfA=*/true, /*kAccumulate=*/true>(
           cols, ws_.dqk, rows, ws_.dst, bq, [&](int64_t e) { return q + e; }, ldq, ws_.dk,
           ws_.dqk);
-      // dQ (this key block's share) = dS·K
+      // dQ (this key block's share) = dS·K, times scale
       gemm<acc_t, /*kRowsOfA=*/false, /*kAccumulate=*/false>(
           rows, ws_.dqk, cols, ws_.dst, bq, [&](int64_t e) { return k + e; }, ldk, ws_.dq,
           ws_.dqk);
-      bp_.add_grad_q(bp_, o, q0, rows, ws_.dq, ws_.dqk);
+      add_scaled_rows(grad_q + q0 * E, ws_.dq, rows);
     }
     write_key_gradients(o, k0, cols);
   }
 
- private:
+  // dst[i, :E] += scale · dq[i, :E] for rows i (dst dense, dq ws_.dqk apart).
+  void add_scaled_rows(acc_t* dst, const acc_t* dq, int64_t rows) const {
+    const int64_t E = p_.dim_qk;
+    const acc_t scale = static_cast<acc_t>(p_.scale);
+    for (int64_t i = 0; i < rows; ++i) {
+      for (int64_t e = 0; e < E; ++e) dst[i * E + e] += scale * dq[i * ws_.dqk + e];
+    }
+  }
+
   // D = rowsum(dO ∘ O) and the saved log-sum-exp of the query block; padded
   // lanes get D = 0 and lse = +inf, so their probabilities are 0.
   void load_row_stats(int64_t o, int64_t q0, int64_t rows, int64_t bq, const acc_t* dout,
                       int64_t lddo) {
-    const acc_t* lse = static_cast<const acc_t*>(bp_.lse) + o * p_.len_q + q0;
+    const acc_t* lse = static_cast<const acc_t*>(p_.lse) + o * p_.len_q + q0;
+    const scalar_t* out_rows = tiles_.start(p_.out, o) + q0 * p_.out.row_stride;
     for (int64_t i = 0; i < rows; ++i) {
-      const scalar_t* out = Tiles::row_ptr(bp_.out, o, q0 + i);
+      const scalar_t* out = out_rows + i * p_.out.row_stride;
       const acc_t* g = dout + i * lddo;
       acc_t sum = 0;
       for (int64_t e = 0; e < p_.dim_v; ++e) sum += g[e] * static_cast<acc_t>(out[e]);
@@ -192,30 +212,42 @@ class BackwardKernel {
   }
 
   const BackwardParams& bp_;
-  const ForwardParams& p_;
+  const AttentionParams& p_;
+  const WorkSplit& split_;
   Tiles tiles_;
   BackwardWorkspace<acc_t> ws_;
 };
 
 template <typename acc_t>
-size_t configure(BackwardParams& bp) {
+WorkSplit configure(BackwardParams& bp, int64_t threads) {
   constexpr int64_t nr = panel_width<acc_t>();
-  ForwardParams& p = bp.fwd;
-  p.block_q = std::min(kBlockQ, round_up(std::max<int64_t>(p.len_q, 1), nr));
-  p.block_kv = work_block(p.len_kv, p.outer, p.num_threads, kMicroRows, kMaxBlockKV);
+  const AttentionParams& p = bp.fwd;
+  WorkSplit split;
+  split.block_q = std::min(kBlockQ, round_up(std::max<int64_t>(p.len_q, 1), nr));
+  split.block_kv = work_block(p.len_kv, p.num_outer, threads, kMicroRows, kMaxBlockKV);
+  // Enough sets of key blocks that every thread gets about two items; each
+  // set beyond the first costs a (len_q × E) slice of dQ per outer index,
+  // so with many outer indices there is one set (no extra memory).
+  const int64_t key_blocks = div_up(p.len_kv, split.block_kv);
+  bp.grad_q_splits = std::clamp<int64_t>(div_up(2 * threads, std::max<int64_t>(p.num_outer, 1)),
+                                         1, std::max<int64_t>(key_blocks, 1));
+  split.items = p.len_kv > 0 ? p.num_outer * bp.grad_q_splits : 0;
   Arena<acc_t> counter(nullptr);
-  BackwardWorkspace<acc_t> sizing(bp, counter);
-  return counter.bytes();
+  BackwardWorkspace<acc_t> sizing(bp, split, counter);
+  split.workspace_bytes = counter.bytes();
+  return split;
 }
 
 }  // namespace
 
-size_t backward_configure(BackwardParams& p) {
-  return p.fwd.dtype == DType::Float64 ? configure<double>(p) : configure<float>(p);
+WorkSplit backward_configure(BackwardParams& bp, int64_t threads) {
+  return bp.fwd.dtype == DType::Float64 ? configure<double>(bp, threads)
+                                        : configure<float>(bp, threads);
 }
 
-void backward_items(const BackwardParams& p, int64_t begin, int64_t end, void* workspace) {
-  run_items_for_dtype<BackwardKernel>(p.fwd.dtype, p, begin, end, workspace);
+void backward_item(const BackwardParams& bp, const WorkSplit& split, int64_t item,
+                   void* workspace) {
+  run_item_for_dtype<BackwardKernel>(bp.fwd.dtype, bp, split, item, workspace);
 }
 
 }  // namespace CPU_CAPABILITY

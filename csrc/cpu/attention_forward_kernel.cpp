@@ -17,7 +17,6 @@
 // no tensors, no allocation, no threading (the host wrapper does those).
 
 #include "cpu/attention_tiles.h"
-#include "cpu/kernels.h"
 
 namespace fusedmha::cpu {
 namespace CPU_CAPABILITY {
@@ -41,9 +40,9 @@ struct ForwardWorkspace {
   acc_t* alpha;  // bq          rescale factor of the current step
   int64_t dv;
 
-  ForwardWorkspace(const ForwardParams& p, Arena<acc_t>& arena) {
+  ForwardWorkspace(const AttentionParams& p, const WorkSplit& split, Arena<acc_t>& arena) {
     constexpr int64_t nr = panel_width<acc_t>(), w = Vectorized<acc_t>::size();
-    const int64_t bq = p.block_q, bkv = p.block_kv;
+    const int64_t bq = split.block_q, bkv = split.block_kv;
     dv = round_up(p.dim_v, nr);
     qt = arena.take(bq * p.dim_qk);
     st = arena.take(bkv * bq);
@@ -51,7 +50,7 @@ struct ForwardWorkspace {
     k = arena.take(bkv * round_up(p.dim_qk, nr));
     v = arena.take(bkv * dv);
     mt = arena.take(w * round_up(bkv, w));
-    dm = p.dropout_p > 0 ? arena.take(bkv * bq) : nullptr;
+    dm = p.dropout.on() ? arena.take(bkv * bq) : nullptr;
     m = arena.take(bq);
     l = arena.take(bq);
     alpha = arena.take(bq);
@@ -65,16 +64,17 @@ class ForwardKernel {
   static constexpr int64_t nr = panel_width<acc_t>();
   static constexpr int64_t w = Vec::size();
 
-  ForwardKernel(const ForwardParams& p, Arena<acc_t> arena) : p_(p), tiles_(p), ws_(p, arena) {}
+  ForwardKernel(const AttentionParams& p, const WorkSplit& split, Arena<acc_t> arena)
+      : p_(p), split_(split), tiles_(p), ws_(p, split, arena) {}
 
   void run(int64_t item) {
-    const int64_t nqb = num_query_blocks(p_);
+    const int64_t nqb = div_up(p_.len_q, split_.block_q);
     const int64_t o = item / nqb;
-    const int64_t q0 = (item % nqb) * p_.block_q;
-    const int64_t rows = std::min(p_.block_q, p_.len_q - q0);
+    const int64_t q0 = (item % nqb) * split_.block_q;
+    const int64_t rows = std::min(split_.block_q, p_.len_q - q0);
     const int64_t bq = round_up(rows, nr);  // queries in vector lanes, padded
 
-    Tiles::pack_transposed(p_.q, o, q0, rows, bq, p_.dim_qk, static_cast<acc_t>(p_.scale),
+    tiles_.pack_transposed(p_.q, o, q0, rows, bq, p_.dim_qk, static_cast<acc_t>(p_.scale),
                            ws_.qt);
     std::fill(ws_.o, ws_.o + rows * ws_.dv, acc_t(0));
     std::fill(ws_.m, ws_.m + bq, neg_inf<acc_t>());
@@ -83,21 +83,21 @@ class ForwardKernel {
     // Causal (top-left): query i sees keys 0..i, so this block needs keys
     // below q0 + rows; key blocks entirely above the diagonal are skipped.
     const int64_t kv_end = p_.is_causal ? std::min(p_.len_kv, q0 + rows) : p_.len_kv;
-    for (int64_t k0 = 0; k0 < kv_end; k0 += p_.block_kv) {
-      const int64_t cols = std::min(p_.block_kv, kv_end - k0);
+    for (int64_t k0 = 0; k0 < kv_end; k0 += split_.block_kv) {
+      const int64_t cols = std::min(split_.block_kv, kv_end - k0);
       int64_t ldk, ldv;
-      const acc_t* k = Tiles::rows_of(p_.k, o, k0, cols, p_.dim_qk, false, ws_.k, &ldk);
+      const acc_t* k = tiles_.rows_of(p_.k, o, k0, cols, p_.dim_qk, false, ws_.k, &ldk);
       tiles_.scores(k, ldk, cols, ws_.qt, bq, ws_.st);
       tiles_.apply_masks(o, q0, rows, bq, k0, cols, ws_.st, ws_.mt);
       softmax_step(bq, cols);
       rescale_output(rows);
-      if (p_.dropout_p > 0) {
+      if (p_.dropout.on()) {
         // The running sum normalises with every probability; the output
         // accumulates only the kept ones, scaled by 1/(1 - p).
         tiles_.dropout_factors(o, q0, rows, bq, k0, cols, ws_.dm);
         Tiles::scale_by(ws_.st, ws_.dm, cols, bq);
       }
-      const acc_t* v = Tiles::rows_of(p_.v, o, k0, cols, p_.dim_v, true, ws_.v, &ldv);
+      const acc_t* v = tiles_.rows_of(p_.v, o, k0, cols, p_.dim_v, true, ws_.v, &ldv);
       gemm<acc_t, /*kRowsOfA=*/false, /*kAccumulate=*/true>(
           rows, ws_.dv, cols, ws_.st, bq, [&](int64_t e) { return v + e; }, ldv, ws_.o, ws_.dv);
     }
@@ -157,7 +157,7 @@ class ForwardKernel {
   }
 
   void write_output(int64_t o, int64_t q0, int64_t rows) {
-    scalar_t* out = static_cast<scalar_t*>(p_.out) + p_.out_offsets[o];
+    scalar_t* out = matrix_start<scalar_t>(p_.outer, p_.out, o);
     acc_t* lse = static_cast<acc_t*>(p_.lse) + o * p_.len_q;
     constexpr acc_t inf = std::numeric_limits<acc_t>::infinity();
     constexpr acc_t nan = std::numeric_limits<acc_t>::quiet_NaN();
@@ -179,36 +179,41 @@ class ForwardKernel {
         row_lse = inf;
       }
       const acc_t* acc = ws_.o + i * ws_.dv;
-      scalar_t* dst = out + (q0 + i) * p_.out_row_stride;
+      scalar_t* dst = out + (q0 + i) * p_.out.row_stride;
       for (int64_t e = 0; e < p_.dim_v; ++e) dst[e] = static_cast<scalar_t>(acc[e] * inv);
       lse[q0 + i] = row_lse;
     }
   }
 
-  const ForwardParams& p_;
+  const AttentionParams& p_;
+  const WorkSplit& split_;
   Tiles tiles_;
   ForwardWorkspace<acc_t> ws_;
 };
 
 template <typename acc_t>
-size_t configure(ForwardParams& p) {
+WorkSplit configure(const AttentionParams& p, int64_t threads) {
   constexpr int64_t nr = panel_width<acc_t>();
-  p.block_q = std::min(work_block(p.len_q, p.outer, p.num_threads, nr, kMaxBlockQ),
-                       round_up(std::max<int64_t>(p.len_q, 1), nr));
-  p.block_kv = std::min(kBlockKV, std::max<int64_t>(p.len_kv, 1));
+  WorkSplit split;
+  split.block_q = std::min(work_block(p.len_q, p.num_outer, threads, nr, kMaxBlockQ),
+                           round_up(std::max<int64_t>(p.len_q, 1), nr));
+  split.block_kv = std::min(kBlockKV, std::max<int64_t>(p.len_kv, 1));
+  split.items = p.num_outer * div_up(p.len_q, split.block_q);
   Arena<acc_t> counter(nullptr);
-  ForwardWorkspace<acc_t> sizing(p, counter);
-  return counter.bytes();
+  ForwardWorkspace<acc_t> sizing(p, split, counter);
+  split.workspace_bytes = counter.bytes();
+  return split;
 }
 
 }  // namespace
 
-size_t forward_configure(ForwardParams& p) {
-  return p.dtype == DType::Float64 ? configure<double>(p) : configure<float>(p);
+WorkSplit forward_configure(const AttentionParams& p, int64_t threads) {
+  return p.dtype == DType::Float64 ? configure<double>(p, threads) : configure<float>(p, threads);
 }
 
-void forward_items(const ForwardParams& p, int64_t begin, int64_t end, void* workspace) {
-  run_items_for_dtype<ForwardKernel>(p.dtype, p, begin, end, workspace);
+void forward_item(const AttentionParams& p, const WorkSplit& split, int64_t item,
+                  void* workspace) {
+  run_item_for_dtype<ForwardKernel>(p.dtype, p, split, item, workspace);
 }
 
 }  // namespace CPU_CAPABILITY

@@ -9,7 +9,8 @@
 // so that queries are the vector lanes: softmax passes are vertical vector
 // operations and K/V rows are read in place through their strides.
 
-#include "cpu/attention_params.h"
+#include "common/attention_params.h"
+#include "cpu/isa_kernels.h"
 
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
@@ -217,16 +218,15 @@ class Arena {
   int64_t used_ = 0;
 };
 
-// Runs work items [begin, end) with Kernel<scalar_t, acc_t> for dtype, its
+// Runs work item `item` with Kernel<scalar_t, acc_t> for dtype, its
 // scratch carved from workspace.
 template <template <typename, typename> class Kernel, typename Params>
-void run_items_for_dtype(DType dtype, const Params& p, int64_t begin, int64_t end,
-                         void* workspace) {
+void run_item_for_dtype(DType dtype, const Params& p, const WorkSplit& split, int64_t item,
+                        void* workspace) {
   auto run = [&](auto scalar) {
     using scalar_t = decltype(scalar);
     using acc_t = typename AccType<scalar_t>::type;
-    Kernel<scalar_t, acc_t> kernel(p, Arena<acc_t>(workspace));
-    for (int64_t item = begin; item < end; ++item) kernel.run(item);
+    Kernel<scalar_t, acc_t>(p, split, Arena<acc_t>(workspace)).run(item);
   };
   switch (dtype) {
     case DType::Float32: return run(float{});
@@ -236,7 +236,7 @@ void run_items_for_dtype(DType dtype, const Params& p, int64_t begin, int64_t en
   }
 }
 
-// Reads the inputs described by ForwardParams tile by tile, in the layouts
+// Reads the inputs described by AttentionParams tile by tile, in the layouts
 // the micro-kernels want, widening half precision to acc_t.
 template <typename scalar_t, typename acc_t>
 class TileReader {
@@ -246,21 +246,24 @@ class TileReader {
   static constexpr int64_t w = Vec::size();
   static constexpr bool kSameType = std::is_same_v<scalar_t, acc_t>;
 
-  explicit TileReader(const ForwardParams& p) : p_(p) {}
+  explicit TileReader(const AttentionParams& p) : p_(p), stream_(p.dropout.stream()) {}
 
-  static const scalar_t* row_ptr(const MatrixView& t, int64_t o, int64_t i) {
-    return static_cast<const scalar_t*>(t.data) + t.offsets[o] + i * t.row_stride;
+  // Where matrix o of t starts (one outer-offset computation per call: the
+  // callers then step through rows by their stride).
+  const scalar_t* start(const Matrix& t, int64_t o) const {
+    return matrix_start<const scalar_t>(p_.outer, t, o);
   }
 
   // Rows r0..r0+rows of t (dim wide) transposed into panels of nr rows,
   // times scale: (row i, dim e) at [(i/nr)·dim + e]·nr + i%nr; rows up to
   // padded_rows are zero.
-  static void pack_transposed(const MatrixView& t, int64_t o, int64_t r0, int64_t rows,
-                              int64_t padded_rows, int64_t dim, acc_t scale, acc_t* dst) {
+  void pack_transposed(const Matrix& t, int64_t o, int64_t r0, int64_t rows,
+                       int64_t padded_rows, int64_t dim, acc_t scale, acc_t* dst) const {
+    const scalar_t* first = start(t, o) + r0 * t.row_stride;
     for (int64_t i = 0; i < padded_rows; ++i) {
       acc_t* d = dst + (i / nr) * dim * nr + i % nr;
       if (i < rows) {
-        const scalar_t* src = row_ptr(t, o, r0 + i);
+        const scalar_t* src = first + i * t.row_stride;
         for (int64_t e = 0; e < dim; ++e) d[e * nr] = static_cast<acc_t>(src[e]) * scale;
       } else {
         for (int64_t e = 0; e < dim; ++e) d[e * nr] = acc_t(0);
@@ -272,15 +275,16 @@ class TileReader {
   // row stride in *ld) when the type matches and, if panel_rows, the rows
   // fill whole panels; otherwise widened into dst, zero-padded to a
   // multiple of the panel width.
-  static const acc_t* rows_of(const MatrixView& t, int64_t o, int64_t r0, int64_t rows,
-                              int64_t dim, bool panel_rows, acc_t* dst, int64_t* ld) {
+  const acc_t* rows_of(const Matrix& t, int64_t o, int64_t r0, int64_t rows, int64_t dim,
+                       bool panel_rows, acc_t* dst, int64_t* ld) const {
+    const scalar_t* first = start(t, o) + r0 * t.row_stride;
     if (kSameType && (!panel_rows || dim % nr == 0)) {
       *ld = t.row_stride;
-      return reinterpret_cast<const acc_t*>(row_ptr(t, o, r0));
+      return reinterpret_cast<const acc_t*>(first);
     }
     *ld = round_up(dim, nr);
     for (int64_t i = 0; i < rows; ++i) {
-      const scalar_t* src = row_ptr(t, o, r0 + i);
+      const scalar_t* src = first + i * t.row_stride;
       acc_t* d = dst + i * *ld;
       for (int64_t e = 0; e < dim; ++e) d[e] = static_cast<acc_t>(src[e]);
       std::fill(d + dim, d + *ld, acc_t(0));
@@ -324,8 +328,8 @@ class TileReader {
     // Eight queries at a time: each key row of dm then takes 8 contiguous
     // factors from one batch of Philox blocks.
     constexpr int kLanes = 8;
-    const acc_t keep = static_cast<acc_t>(1.0 / (1.0 - p_.dropout_p));
-    const uint32_t threshold = p_.dropout_threshold;
+    const acc_t keep = static_cast<acc_t>(1.0 / (1.0 - p_.dropout.p));
+    const uint32_t threshold = p_.dropout.threshold;
 #if defined(__AVX2__)
     if constexpr (std::is_same_v<acc_t, float>) {
       return dropout_factors_avx2(o, q0, rows, bq, k0, cols, keep, threshold, dm);
@@ -335,7 +339,7 @@ class TileReader {
     for (int64_t i0 = 0; i0 < bq; i0 += kLanes) {
       const int64_t n = std::clamp<int64_t>(rows - i0, 0, kLanes);  // real queries here
       for (int64_t key4 = k0 / 4 * 4; key4 < k0 + cols; key4 += 4) {
-        if (n > 0) philox_rows<kLanes>(p_.dropout, o, q0 + i0, key4 / 4, r);
+        if (n > 0) philox_rows<kLanes>(stream_, o, q0 + i0, key4 / 4, r);
         for (int64_t c = 0; c < 4; ++c) {
           const int64_t j = key4 + c - k0;
           if (j < 0 || j >= cols) continue;
@@ -365,7 +369,7 @@ class TileReader {
       const __m256i real = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lane);
       for (int64_t key4 = k0 / 4 * 4; key4 < k0 + cols; key4 += 4) {
         __m256i words[4][2];
-        if (n > 0) philox_words<2>(p_.dropout, o, q0 + i0, key4 / 4, words);
+        if (n > 0) philox_words<2>(stream_, o, q0 + i0, key4 / 4, words);
         for (int64_t c = 0; c < 4; ++c) {
           const int64_t j = key4 + c - k0;
           if (j < 0 || j >= cols) continue;
@@ -400,9 +404,9 @@ class TileReader {
   template <typename mask_t>
   void apply_mask(int64_t o, int64_t q0, int64_t rows, int64_t bq, int64_t k0, int64_t cols,
                   acc_t* st, acc_t* mt) const {
-    const MatrixView& mk = p_.mask;
+    const Matrix& mk = p_.mask;
     const int64_t cs = mk.col_stride;
-    const mask_t* base = static_cast<const mask_t*>(mk.data) + mk.offsets[o] + k0 * cs;
+    const mask_t* base = matrix_start<const mask_t>(p_.outer, mk, o) + k0 * cs;
     if (mk.row_stride == 0) {
       // The same mask row for every query (a key padding mask): one term
       // per key row of Sᵀ.
@@ -457,7 +461,8 @@ class TileReader {
     }
   }
 
-  const ForwardParams& p_;
+  const AttentionParams& p_;
+  const DropoutStream stream_;
 };
 
 }  // namespace

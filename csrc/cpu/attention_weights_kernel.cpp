@@ -12,7 +12,6 @@
 // reader, masks and dropout code apply.
 
 #include "cpu/attention_tiles.h"
-#include "cpu/kernels.h"
 
 namespace fusedmha::cpu {
 namespace CPU_CAPABILITY {
@@ -32,16 +31,16 @@ struct WeightsWorkspace {
   acc_t* dm;   // bkv × bq    dropout factors (when dropout is on)
   acc_t* lse;  // bq          log-sum-exp of the block's queries (+inf in padded lanes)
 
-  WeightsWorkspace(const WeightsParams& wp, Arena<acc_t>& arena) {
+  WeightsWorkspace(const WeightsParams& wp, const WorkSplit& split, Arena<acc_t>& arena) {
     constexpr int64_t nr = panel_width<acc_t>(), w = Vectorized<acc_t>::size();
-    const ForwardParams& p = wp.fwd;
-    const int64_t bq = p.block_q, bkv = p.block_kv;
+    const AttentionParams& p = wp.fwd;
+    const int64_t bq = split.block_q, bkv = split.block_kv;
     qt = arena.take(bq * p.dim_qk);
     st = arena.take(bkv * bq);
     acc = arena.take(bkv * bq);
     k = arena.take(bkv * round_up(p.dim_qk, nr));
     mt = arena.take(w * round_up(bkv, w));
-    dm = p.dropout_p > 0 ? arena.take(bkv * bq) : nullptr;
+    dm = p.dropout.on() ? arena.take(bkv * bq) : nullptr;
     lse = arena.take(bq);
   }
 };
@@ -53,21 +52,21 @@ class WeightsKernel {
   static constexpr int64_t nr = panel_width<acc_t>();
   static constexpr int64_t w = Vec::size();
 
-  WeightsKernel(const WeightsParams& wp, Arena<acc_t> arena)
-      : wp_(wp), p_(wp.fwd), tiles_(wp.fwd), ws_(wp, arena) {}
+  WeightsKernel(const WeightsParams& wp, const WorkSplit& split, Arena<acc_t> arena)
+      : wp_(wp), p_(wp.fwd), split_(split), tiles_(wp.fwd), ws_(wp, split, arena) {}
 
   void run(int64_t item) {
-    const int64_t nqb = num_query_blocks(p_);
+    const int64_t nqb = div_up(p_.len_q, split_.block_q);
     const int64_t group = item / nqb;  // output matrix
-    const int64_t q0 = (item % nqb) * p_.block_q;
-    const int64_t rows = std::min(p_.block_q, p_.len_q - q0);
+    const int64_t q0 = (item % nqb) * split_.block_q;
+    const int64_t rows = std::min(split_.block_q, p_.len_q - q0);
     const int64_t bq = round_up(rows, nr);
     const int64_t heads = wp_.heads_per_item;
     const acc_t head_weight = acc_t(1) / static_cast<acc_t>(heads);
     scalar_t* out = static_cast<scalar_t*>(wp_.weights) + (group * p_.len_q + q0) * p_.len_kv;
 
-    for (int64_t k0 = 0; k0 < p_.len_kv; k0 += p_.block_kv) {
-      const int64_t cols = std::min(p_.block_kv, p_.len_kv - k0);
+    for (int64_t k0 = 0; k0 < p_.len_kv; k0 += split_.block_kv) {
+      const int64_t cols = std::min(split_.block_kv, p_.len_kv - k0);
       std::fill(ws_.acc, ws_.acc + cols * bq, acc_t(0));
       // Causal (top-left): a key block entirely above the diagonal is 0.
       const bool visible = !p_.is_causal || k0 < q0 + rows;
@@ -91,9 +90,9 @@ class WeightsKernel {
     // head; when averaging over heads, once per key block and head (1/block_kv
     // of the score GEMM's work), which keeps the scratch independent of H.
     if (o != packed_o_ || q0 != packed_q0_) {
-      Tiles::pack_transposed(p_.q, o, q0, rows, bq, p_.dim_qk, static_cast<acc_t>(p_.scale),
+      tiles_.pack_transposed(p_.q, o, q0, rows, bq, p_.dim_qk, static_cast<acc_t>(p_.scale),
                              ws_.qt);
-      const acc_t* lse = static_cast<const acc_t*>(wp_.lse) + o * p_.len_q + q0;
+      const acc_t* lse = static_cast<const acc_t*>(p_.lse) + o * p_.len_q + q0;
       std::copy(lse, lse + rows, ws_.lse);
       std::fill(ws_.lse + rows, ws_.lse + bq, std::numeric_limits<acc_t>::infinity());
       packed_o_ = o;
@@ -101,10 +100,10 @@ class WeightsKernel {
     }
 
     int64_t ldk;
-    const acc_t* k = Tiles::rows_of(p_.k, o, k0, cols, p_.dim_qk, false, ws_.k, &ldk);
+    const acc_t* k = tiles_.rows_of(p_.k, o, k0, cols, p_.dim_qk, false, ws_.k, &ldk);
     tiles_.scores(k, ldk, cols, ws_.qt, bq, ws_.st);
     tiles_.apply_masks(o, q0, rows, bq, k0, cols, ws_.st, ws_.mt);
-    if (p_.dropout_p > 0) tiles_.dropout_factors(o, q0, rows, bq, k0, cols, ws_.dm);
+    if (p_.dropout.on()) tiles_.dropout_factors(o, q0, rows, bq, k0, cols, ws_.dm);
 
     // exp(s − lse): a masked score (−inf) or a row with nothing to attend
     // to (lse = +inf) gives 0, a NaN row stays NaN.
@@ -122,33 +121,39 @@ class WeightsKernel {
   }
 
   const WeightsParams& wp_;
-  const ForwardParams& p_;
+  const AttentionParams& p_;
+  const WorkSplit& split_;
   Tiles tiles_;
   WeightsWorkspace<acc_t> ws_;
   int64_t packed_o_ = -1, packed_q0_ = -1;  // what ws_.qt and ws_.lse hold
 };
 
 template <typename acc_t>
-size_t configure(WeightsParams& wp) {
+WorkSplit configure(const WeightsParams& wp, int64_t threads) {
   constexpr int64_t nr = panel_width<acc_t>();
-  ForwardParams& p = wp.fwd;
-  p.block_q = std::min(work_block(p.len_q, p.outer / wp.heads_per_item, p.num_threads, nr,
-                                  kMaxBlockQ),
-                       round_up(std::max<int64_t>(p.len_q, 1), nr));
-  p.block_kv = std::min(kBlockKV, std::max<int64_t>(p.len_kv, 1));
+  const AttentionParams& p = wp.fwd;
+  const int64_t matrices = p.num_outer / wp.heads_per_item;
+  WorkSplit split;
+  split.block_q = std::min(work_block(p.len_q, matrices, threads, nr, kMaxBlockQ),
+                           round_up(std::max<int64_t>(p.len_q, 1), nr));
+  split.block_kv = std::min(kBlockKV, std::max<int64_t>(p.len_kv, 1));
+  split.items = matrices * div_up(p.len_q, split.block_q);
   Arena<acc_t> counter(nullptr);
-  WeightsWorkspace<acc_t> sizing(wp, counter);
-  return counter.bytes();
+  WeightsWorkspace<acc_t> sizing(wp, split, counter);
+  split.workspace_bytes = counter.bytes();
+  return split;
 }
 
 }  // namespace
 
-size_t weights_configure(WeightsParams& p) {
-  return p.fwd.dtype == DType::Float64 ? configure<double>(p) : configure<float>(p);
+WorkSplit weights_configure(const WeightsParams& wp, int64_t threads) {
+  return wp.fwd.dtype == DType::Float64 ? configure<double>(wp, threads)
+                                        : configure<float>(wp, threads);
 }
 
-void weights_items(const WeightsParams& p, int64_t begin, int64_t end, void* workspace) {
-  run_items_for_dtype<WeightsKernel>(p.fwd.dtype, p, begin, end, workspace);
+void weights_item(const WeightsParams& wp, const WorkSplit& split, int64_t item,
+                  void* workspace) {
+  run_item_for_dtype<WeightsKernel>(wp.fwd.dtype, wp, split, item, workspace);
 }
 
 }  // namespace CPU_CAPABILITY

@@ -1,5 +1,7 @@
 #include "cpu/isa.h"
 
+#include "cpu/isa_kernels.h"
+
 #include <ATen/Version.h>
 #include <c10/util/Exception.h>
 
@@ -80,5 +82,22 @@ IsaLevel selected_isa() {
   TORCH_CHECK(false, "FUSEDMHA_CPU_ISA=", env,
               ": expected one of default, avx2, avx512 (or unset for automatic)");
 }
+
+IsaKernels selected_kernels() {
+#define FUSEDMHA_KERNELS(LEVEL)                                                    \
+  IsaKernels {                                                                     \
+    LEVEL::forward_configure, LEVEL::forward_item, LEVEL::backward_configure,     \
+        LEVEL::backward_item, LEVEL::weights_configure, LEVEL::weights_item      \
+  }
+  switch (selected_isa()) {
+#if FUSEDMHA_CPU_X86
+    case IsaLevel::Avx512: return FUSEDMHA_KERNELS(AVX512);
+    case IsaLevel::Avx2: return FUSEDMHA_KERNELS(AVX2);
+#endif
+    default: return FUSEDMHA_KERNELS(DEFAULT);
+  }
+#undef FUSEDMHA_KERNELS
+}
+
 
 }  // namespace fusedmha::cpu

@@ -14,7 +14,7 @@
 #endif
 
 #include "common/philox.h"
-#include "cuda/cuda_params.h"
+#include "common/attention_params.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -101,14 +101,14 @@ __device__ __forceinline__ A mask_term(const AttentionParams& p, int64_t mask_ba
 // The dropout stream of this call: the forward draws it, the backward and
 // the weights pass read it back from rng_state (a device tensor).
 __device__ __forceinline__ DropoutStream dropout_stream(const AttentionParams& p) {
-  if (p.rng_state_in != nullptr) {
-    return {static_cast<uint64_t>(p.rng_state_in[0]), static_cast<uint64_t>(p.rng_state_in[1])};
+  if (p.dropout.state_in != nullptr) {
+    return {static_cast<uint64_t>(p.dropout.state_in[0]), static_cast<uint64_t>(p.dropout.state_in[1])};
   }
-  if (p.rng.seed_ptr != nullptr) {
-    return {static_cast<uint64_t>(*p.rng.seed_ptr),
-            static_cast<uint64_t>(*p.rng.offset_ptr) + p.rng.offset};
+  if (p.dropout.seed_ptr != nullptr) {
+    return {static_cast<uint64_t>(*p.dropout.seed_ptr),
+            static_cast<uint64_t>(*p.dropout.offset_ptr) + p.dropout.offset};
   }
-  return {p.rng.seed, p.rng.offset};
+  return {p.dropout.seed, p.dropout.offset};
 }
 
 // Word `index` (0..3, known only at run time) of a Philox block, by

@@ -49,7 +49,7 @@ __global__ void __launch_bounds__(kThreads) kernel(const BackwardParams bp) {
   const T* q = static_cast<const T*>(p.q.data) + outer_offset(p.outer, p.q, o);
   const T* dout = static_cast<const T*>(bp.grad_out.data) + outer_offset(p.outer, bp.grad_out, o);
   const int64_t mask_base = p.mask_kind == MaskKind::None ? 0 : outer_offset(p.outer, p.mask, o);
-  const float* lse = static_cast<const float*>(bp.lse) + o * p.len_q;
+  const float* lse = static_cast<const float*>(bp.fwd.lse) + o * p.len_q;
   const float* delta = static_cast<const float*>(bp.delta) + o * p.len_q;
   float* grad_q = static_cast<float*>(bp.grad_q) + o * p.len_q * p.dim_qk;
 
@@ -59,9 +59,9 @@ __global__ void __launch_bounds__(kThreads) kernel(const BackwardParams bp) {
                                        p.v.row_stride, kv_rows, dv, tid);
   cp_async_commit();
 
-  const bool dropout = p.dropout_p > 0.0;
+  const bool dropout = p.dropout.p > 0.0;
   const DropoutStream stream = dropout ? dropout_stream(p) : DropoutStream{};
-  const float keep_scale = dropout ? static_cast<float>(1.0 / (1.0 - p.dropout_p)) : 1.0f;
+  const float keep_scale = dropout ? static_cast<float>(1.0 / (1.0 - p.dropout.p)) : 1.0f;
   const float scale_log2 = static_cast<float>(p.scale) * kLog2e;
   const bool has_mask = p.mask_kind != MaskKind::None;
 
@@ -150,7 +150,7 @@ __global__ void __launch_bounds__(kThreads) kernel(const BackwardParams bp) {
           if (dropout) {
             // Pᵀ∘Z with Z in {0, 1} (16-bit storage; 1/(1−p) is applied to
             // dV at the end), dP∘Z/(1−p) in fp32.
-            const bool keep = i < p.len_q && bits[h][e] >= p.dropout_threshold;
+            const bool keep = i < p.len_q && bits[h][e] >= p.dropout.threshold;
             pd = keep ? pr : 0.0f;
             dp = keep ? dp * keep_scale : 0.0f;
           }

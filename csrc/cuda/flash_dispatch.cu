@@ -3,7 +3,7 @@
 // file only references them.
 
 #include "cuda/flash_config.h"
-#include "cuda/kernels.h"
+#include "cuda/launchers.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

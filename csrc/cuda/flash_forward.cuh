@@ -47,13 +47,13 @@ __global__ void __launch_bounds__(kThreads) kernel(const AttentionParams p) {
   const int64_t kv_end = p.is_causal ? min64(p.len_kv, q0 + kBlockQ) : p.len_kv;
   const int n_kv_tiles = static_cast<int>((kv_end + kBlockKV - 1) / kBlockKV);
 
-  const bool dropout = p.dropout_p > 0.0;
+  const bool dropout = p.dropout.p > 0.0;
   const DropoutStream stream = dropout ? dropout_stream(p) : DropoutStream{};
   // (seed, offset) of this call, (0, 0) without dropout: written by the
   // kernel so that the host neither waits nor launches anything for it.
-  if (blockIdx.x == 0 && tid == 0 && p.rng_state_out != nullptr) {
-    p.rng_state_out[0] = static_cast<int64_t>(stream.seed);
-    p.rng_state_out[1] = static_cast<int64_t>(stream.offset);
+  if (blockIdx.x == 0 && tid == 0 && p.dropout.state_out != nullptr) {
+    p.dropout.state_out[0] = static_cast<int64_t>(stream.seed);
+    p.dropout.state_out[1] = static_cast<int64_t>(stream.offset);
   }
   const float scale_log2 = static_cast<float>(p.scale) * kLog2e;
   const bool has_mask = p.mask_kind != MaskKind::None;
@@ -149,7 +149,7 @@ __global__ void __launch_bounds__(kThreads) kernel(const AttentionParams p) {
         const int h = e / 2;
         float pr = exp2f(s[n][e] - tile_max[h]);
         tile_sum[h] += pr;
-        if (dropout && bits[h][e & 1] < p.dropout_threshold) pr = 0.0f;
+        if (dropout && bits[h][e & 1] < p.dropout.threshold) pr = 0.0f;
         s[n][e] = pr;
       }
     }
@@ -198,7 +198,7 @@ __global__ void __launch_bounds__(kThreads) kernel(const AttentionParams p) {
   // Normalise, write the output and the log-sum-exp (natural log).
   T* out = static_cast<T*>(const_cast<void*>(p.out.data)) + outer_offset(p.outer, p.out, o);
   float* lse = static_cast<float*>(p.lse) + o * p.len_q;
-  const float keep_scale = dropout ? static_cast<float>(1.0 / (1.0 - p.dropout_p)) : 1.0f;
+  const float keep_scale = dropout ? static_cast<float>(1.0 / (1.0 - p.dropout.p)) : 1.0f;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float l = l_row[h];

@@ -1,7 +1,7 @@
 // Launchers of the simple kernels (simple_kernels.cuh): one warp per row,
 // 4 warps per block, shared memory sized from the head dims.
 
-#include "cuda/kernels.h"
+#include "cuda/launchers.h"
 #include "cuda/launch.cuh"
 #include "cuda/simple_kernels.cuh"
 

@@ -70,11 +70,11 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) forward_kernel(const Atte
   A* q_s = reinterpret_cast<A*>(dynamic_smem()) + warp * (dk + dv);
   A* o_s = q_s + dk;
 
-  const bool dropout = p.dropout_p > 0.0;
+  const bool dropout = p.dropout.p > 0.0;
   const DropoutStream stream = dropout ? dropout_stream(p) : DropoutStream{};
-  if (blockIdx.x == 0 && threadIdx.x == 0 && p.rng_state_out != nullptr) {  // (0, 0) without dropout
-    p.rng_state_out[0] = static_cast<int64_t>(stream.seed);
-    p.rng_state_out[1] = static_cast<int64_t>(stream.offset);
+  if (blockIdx.x == 0 && threadIdx.x == 0 && p.dropout.state_out != nullptr) {  // (0, 0) without dropout
+    p.dropout.state_out[0] = static_cast<int64_t>(stream.seed);
+    p.dropout.state_out[1] = static_cast<int64_t>(stream.offset);
   }
   const int64_t row = int64_t(blockIdx.x) * kWarpsPerBlock + warp;
   if (row >= p.num_outer * p.len_q) return;
@@ -110,7 +110,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) forward_kernel(const Atte
     A pr = x == A(-INFINITY) ? A(0) : exp_acc(x - m_use);
     l = l * alpha + warp_sum(pr);
     m = m_new;
-    if (dropout && j < kv_end && !dropout_keeps(stream, p.dropout_threshold, o, i, j)) pr = 0;
+    if (dropout && j < kv_end && !dropout_keeps(stream, p.dropout.threshold, o, i, j)) pr = 0;
     for (int e = lane; e < dv; e += 32) o_s[e] *= alpha;
     const int n = static_cast<int>(min64(32, kv_end - j0));
     for (int t = 0; t < n; ++t) {
@@ -125,7 +125,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) forward_kernel(const Atte
     inv = NAN;
     lse = NAN;
   } else if (l > 0) {
-    inv = (dropout ? A(1.0 / (1.0 - p.dropout_p)) : A(1)) / l;
+    inv = (dropout ? A(1.0 / (1.0 - p.dropout.p)) : A(1)) / l;
     lse = m + log_acc(l);
   } else {
     inv = 0;
@@ -156,8 +156,8 @@ __device__ __forceinline__ BackwardElement<A> backward_element(const AttentionPa
   // exp(-inf - lse) is 0, and lse = +inf (a row with no key) gives 0 too.
   const A pr = x == A(-INFINITY) ? A(0) : exp_acc(x - lse);
   A z = 1;
-  if (p.dropout_p > 0.0) {
-    z = dropout_keeps(stream, p.dropout_threshold, o, i, j) ? A(1.0 / (1.0 - p.dropout_p)) : A(0);
+  if (p.dropout.p > 0.0) {
+    z = dropout_keeps(stream, p.dropout.threshold, o, i, j) ? A(1.0 / (1.0 - p.dropout.p)) : A(0);
   }
   return {pr, z};
 }
@@ -177,7 +177,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) backward_dq_kernel(const 
   const int64_t row = int64_t(blockIdx.x) * kWarpsPerBlock + warp;
   if (row >= p.num_outer * p.len_q) return;
   const int64_t o = row / p.len_q, i = row % p.len_q;
-  const DropoutStream stream = p.dropout_p > 0.0 ? dropout_stream(p) : DropoutStream{};
+  const DropoutStream stream = p.dropout.p > 0.0 ? dropout_stream(p) : DropoutStream{};
   const T* q = static_cast<const T*>(p.q.data) + outer_offset(p.outer, p.q, o) + i * p.q.row_stride;
   const T* dout = static_cast<const T*>(bp.grad_out.data) + outer_offset(p.outer, bp.grad_out, o) +
                   i * bp.grad_out.row_stride;
@@ -190,7 +190,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) backward_dq_kernel(const 
     dq_s[e] = 0;
   }
   for (int e = lane; e < dv; e += 32) do_s[e] = to_acc<A>(dout[e]);
-  const A lse = static_cast<const A*>(bp.lse)[o * p.len_q + i];
+  const A lse = static_cast<const A*>(bp.fwd.lse)[o * p.len_q + i];
   const A delta = static_cast<const A*>(bp.delta)[o * p.len_q + i];
 
   const int64_t kv_end = p.is_causal ? min64(p.len_kv, i + 1) : p.len_kv;
@@ -220,7 +220,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) backward_dkdv_kernel(cons
   const int64_t row = int64_t(blockIdx.x) * kWarpsPerBlock + warp;
   if (row >= p.num_outer * p.len_kv) return;
   const int64_t o = row / p.len_kv, j = row % p.len_kv;
-  const DropoutStream stream = p.dropout_p > 0.0 ? dropout_stream(p) : DropoutStream{};
+  const DropoutStream stream = p.dropout.p > 0.0 ? dropout_stream(p) : DropoutStream{};
   const T* q = static_cast<const T*>(p.q.data) + outer_offset(p.outer, p.q, o);
   const T* dout = static_cast<const T*>(bp.grad_out.data) + outer_offset(p.outer, bp.grad_out, o);
   const T* k = static_cast<const T*>(p.k.data) + outer_offset(p.outer, p.k, o) + j * p.k.row_stride;
@@ -235,7 +235,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) backward_dkdv_kernel(cons
     v_s[e] = to_acc<A>(v[e]);
     dv_s[e] = 0;
   }
-  const A* lse = static_cast<const A*>(bp.lse) + o * p.len_q;
+  const A* lse = static_cast<const A*>(bp.fwd.lse) + o * p.len_q;
   const A* delta = static_cast<const A*>(bp.delta) + o * p.len_q;
 
   // Under causal masking only queries i >= j see key j.
@@ -271,9 +271,9 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) weights_kernel(const Weig
   const int64_t row = int64_t(blockIdx.x) * kWarpsPerBlock + warp;
   if (row >= n_items * p.len_q) return;
   const int64_t item = row / p.len_q, i = row % p.len_q;
-  const bool dropout = p.dropout_p > 0.0;
+  const bool dropout = p.dropout.p > 0.0;
   const DropoutStream stream = dropout ? dropout_stream(p) : DropoutStream{};
-  const A keep_scale = dropout ? A(1.0 / (1.0 - p.dropout_p)) : A(1);
+  const A keep_scale = dropout ? A(1.0 / (1.0 - p.dropout.p)) : A(1);
   const A scale = static_cast<A>(p.scale);
   for (int64_t h = 0; h < heads; ++h) {
     const int64_t o = item * heads + h;
@@ -294,9 +294,9 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) weights_kernel(const Weig
       } else if (p.mask_kind != MaskKind::None) {
         x += mask_term<A>(p, outer_offset(p.outer, p.mask, o), i, j);
       }
-      const A lse = static_cast<const A*>(wp.lse)[o * p.len_q + i];
+      const A lse = static_cast<const A*>(wp.fwd.lse)[o * p.len_q + i];
       A pr = x == A(-INFINITY) ? A(0) : exp_acc(x - lse);
-      if (dropout) pr *= dropout_keeps(stream, p.dropout_threshold, o, i, j) ? keep_scale : A(0);
+      if (dropout) pr *= dropout_keeps(stream, p.dropout.threshold, o, i, j) ? keep_scale : A(0);
       w += pr;
     }
     out[j] = from_acc<T>(w / static_cast<A>(heads));

@@ -3,6 +3,8 @@
 
 #include <fusedmha/attention.h>
 
+#include "ops/attention_checks.h"
+
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
@@ -61,9 +63,11 @@ at::Tensor sdpa_composite(const at::Tensor& query, const at::Tensor& key, const 
                           bool is_causal, std::optional<double> scale, bool enable_gqa) {
   // PyTorch's rule; the op itself applies both (MultiheadAttention uses that
   // for causal attention with a key padding mask).
-  TORCH_CHECK(!(is_causal && attn_mask.has_value()),
-              "fusedmha.scaled_dot_product_attention: an explicit attn_mask should not be set "
-              "when is_causal=True");
+  TORCH_CHECK(!(is_causal && attn_mask.has_value()), ops::kSdpaOp,
+              ": an explicit attn_mask should not be set when is_causal=True");
+  // Checked here too, so that errors name the function the user called.
+  ops::check_attention_inputs(ops::kSdpaOp, query, key, value, attn_mask,
+                              dropout_p == 1.0 ? 0.0 : dropout_p, scale, enable_gqa);
   if (dropout_p == 1.0) {
     // Every probability dropped, as in PyTorch: zeros (with zero gradients),
     // and the same input checks. The kernels themselves take p < 1.

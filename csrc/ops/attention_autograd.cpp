@@ -4,6 +4,7 @@
 // weights' backward is composed of ATen ops (it is O(L·S) like the weights).
 
 #include "ops/attention_checks.h"
+#include "ops/attention_shapes.h"
 
 #include <fusedmha/attention.h>
 
@@ -43,10 +44,10 @@ struct AttentionCall {
 };
 
 // Called before Function::apply, which runs forward with grad mode off.
-void check_mask_needs_no_grad(const std::optional<at::Tensor>& attn_mask) {
+void check_mask_needs_no_grad(const char* op, const std::optional<at::Tensor>& attn_mask) {
   TORCH_CHECK(!attn_mask.has_value() || !attn_mask->requires_grad() ||
                   !at::GradMode::is_enabled(),
-              "fusedmha.scaled_dot_product_attention: gradients with respect to a float "
+              op, ": gradients with respect to a float "
               "attn_mask are not supported; pass attn_mask.detach()");
 }
 
@@ -97,7 +98,7 @@ class AttentionBackwardFunction : public torch::autograd::Function<AttentionBack
 
   static variable_list backward(AutogradContext*, variable_list) {
     TORCH_CHECK(false,
-                "fusedmha.scaled_dot_product_attention: double backward (differentiating its "
+                kBackwardOp, ": double backward (differentiating its "
                 "gradients again) is not supported");
   }
 };
@@ -164,7 +165,7 @@ at::Tensor attention_weights_autograd(const at::Tensor& query, const at::Tensor&
                                       double dropout_p, bool is_causal,
                                       std::optional<double> scale, bool enable_gqa,
                                       bool average_heads) {
-  check_mask_needs_no_grad(attn_mask);
+  check_mask_needs_no_grad(kWeightsOp, attn_mask);
   return AttentionWeightsFunction::apply(query, key, logsumexp, rng_state, attn_mask, dropout_p,
                                          is_causal, scale, enable_gqa, average_heads)[0];
 }
@@ -184,7 +185,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_autograd(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
     std::optional<double> scale, bool enable_gqa) {
-  check_mask_needs_no_grad(attn_mask);
+  check_mask_needs_no_grad(kForwardOp, attn_mask);
   auto outputs = AttentionFunction::apply(query, key, value, attn_mask, dropout_p, is_causal,
                                           scale, enable_gqa);
   return {outputs[0], outputs[1], outputs[2]};

@@ -4,6 +4,7 @@
 // agree; sizes stay symbolic.
 
 #include "ops/attention_checks.h"
+#include "ops/attention_shapes.h"
 
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -15,7 +16,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_meta(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
     std::optional<double> scale, bool enable_gqa) {
-  check_attention_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa);
+  check_attention_inputs(kForwardOp, query, key, value, attn_mask, dropout_p, scale, enable_gqa);
   return allocate_attention_outputs(query, key, value, enable_gqa);
 }
 
@@ -24,8 +25,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_meta(
     const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
     const at::Tensor& rng_state, const std::optional<at::Tensor>& attn_mask, double dropout_p,
     bool is_causal, std::optional<double> scale, bool enable_gqa) {
-  check_attention_backward_inputs(grad_out, query, key, value, out, logsumexp, rng_state,
-                                  attn_mask, dropout_p, is_causal, scale, enable_gqa);
+  check_attention_backward_inputs(kBackwardOp, grad_out, query, key, value, out, logsumexp,
+                                  rng_state, attn_mask, dropout_p, scale, enable_gqa);
   // Contiguous, in the inputs' shapes and dtypes, as the real kernels return them.
   return {at::empty_symint(query.sym_sizes(), query.options()),
           at::empty_symint(key.sym_sizes(), key.options()),
@@ -37,8 +38,8 @@ at::Tensor attention_weights_meta(const at::Tensor& query, const at::Tensor& key
                                   const std::optional<at::Tensor>& attn_mask, double dropout_p,
                                   bool is_causal, std::optional<double> scale, bool enable_gqa,
                                   bool average_heads) {
-  check_attention_weights_inputs(query, key, logsumexp, rng_state, attn_mask, dropout_p,
-                                 is_causal, scale, enable_gqa);
+  check_attention_weights_inputs(kWeightsOp, query, key, logsumexp, rng_state, attn_mask,
+                                 dropout_p, scale, enable_gqa);
   return allocate_attention_weights(query, key, enable_gqa, average_heads);
 }
 

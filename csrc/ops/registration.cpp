@@ -7,8 +7,9 @@
 TORCH_LIBRARY(fusedmha, m) {
   // The fused forward: output (..., H, L, Ev), the log-sum-exp of each
   // query row's scaled, masked scores (..., H, L), and the dropout stream's
-  // (seed, offset) as int64[2] (drawn from the default CPU generator when
-  // dropout_p > 0): what the backward needs to recompute and replay it.
+  // (seed, offset) as int64[2] (drawn from the default generator of the
+  // query's device when dropout_p > 0): what the backward needs to
+  // recompute and replay it.
   // Unlike scaled_dot_product_attention it accepts attn_mask together with
   // is_causal: both apply.
   m.def(
@@ -30,8 +31,9 @@ TORCH_LIBRARY(fusedmha, m) {
       "attention_weights(Tensor query, Tensor key, Tensor logsumexp, Tensor rng_state, "
       "Tensor? attn_mask=None, float dropout_p=0.0, bool is_causal=False, float? scale=None, "
       "bool enable_gqa=False, bool average_heads=False) -> Tensor");
-  // Test aid: the dropout keep-mask (outer, len_q, len_kv) that a call with
-  // this rng_state and dropout_p applies; outer = batch dims x heads.
+  // Private test hook, not API: the dropout keep-mask (outer, len_q,
+  // len_kv) that a call with this rng_state and dropout_p applies (outer =
+  // batch dims x heads), so tests can build the exact reference.
   m.def(
       "_dropout_keep_mask(Tensor rng_state, int outer, int len_q, int len_kv, float dropout_p) "
       "-> Tensor");

@@ -1,4 +1,4 @@
-"""fusedmha: fused multi-head attention for PyTorch (CPU kernels; CUDA to come).
+"""fusedmha: fused multi-head attention for PyTorch (CPU and CUDA kernels).
 
     import fusedmha
     out = fusedmha.scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False)

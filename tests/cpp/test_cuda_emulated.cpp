@@ -83,7 +83,7 @@ struct Tensor4 {
   // The kernels' view, indexed by the output's outer dims (B, H_out).
   Matrix matrix(int H_out) const {
     Matrix m;
-    m.data = data.data();
+    m.data = const_cast<T*>(data.data());
     m.outer_stride[0] = int64_t(H) * rows * ld;
     m.outer_stride[1] = int64_t(rows) * ld;
     m.divisor[0] = 1;
@@ -259,14 +259,14 @@ void run_case(const Case& c, Kernels kernels) {
   p.v = v.matrix(c.H);
   if (c.mask == 1) {
     p.mask_kind = MaskKind::Bool;
-    p.mask.data = pr.bool_mask.data();
+    p.mask.data = const_cast<unsigned char*>(pr.bool_mask.data());
     p.mask.outer_stride[0] = int64_t(c.L) * c.S;  // (B, 1, L, S): heads broadcast
     p.mask.divisor[0] = p.mask.divisor[1] = 1;
     p.mask.row_stride = c.S;
     p.mask.col_stride = 1;
   } else if (c.mask == 2) {
     p.mask_kind = MaskKind::AdditiveFloat32;
-    p.mask.data = pr.float_mask.data();
+    p.mask.data = const_cast<float*>(pr.float_mask.data());
     p.mask.divisor[0] = p.mask.divisor[1] = 1;
     p.mask.row_stride = 0;  // (S,): rows, batch and heads broadcast
     p.mask.col_stride = 1;
@@ -275,12 +275,12 @@ void run_case(const Case& c, Kernels kernels) {
   p.is_causal = c.causal;
   int64_t rng_state[2] = {-1, -1};
   if (c.dropout > 0) {
-    p.dropout_p = c.dropout;
-    p.dropout_threshold = pr.threshold;
-    p.rng.seed = pr.stream.seed;
-    p.rng.offset = pr.stream.offset;
+    p.dropout.p = c.dropout;
+    p.dropout.threshold = pr.threshold;
+    p.dropout.seed = pr.stream.seed;
+    p.dropout.offset = pr.stream.offset;
   }
-  p.rng_state_out = rng_state;
+  p.dropout.state_out = rng_state;
   using A = typename simple::AccOf<T>::type;
   Tensor4<T> out(c.B, c.H, c.L, c.Ev);
   p.out = out.matrix(c.H);
@@ -325,9 +325,9 @@ void run_case(const Case& c, Kernels kernels) {
   for (const int64_t heads : {int64_t(1), int64_t(c.H)}) {
     WeightsParams wp;
     wp.fwd = p;
-    wp.fwd.rng_state_out = nullptr;
-    wp.fwd.rng_state_in = c.dropout > 0 ? rng_state : nullptr;
-    wp.lse = lse.data();
+    wp.fwd.dropout.state_out = nullptr;
+    wp.fwd.dropout.state_in = c.dropout > 0 ? rng_state : nullptr;
+    wp.fwd.lse = lse.data();
     wp.heads_per_item = heads;
     std::vector<T> weights(size_t(O / heads) * c.L * c.S, from_double<T>(-9));
     wp.weights = weights.data();
@@ -353,10 +353,10 @@ void run_case(const Case& c, Kernels kernels) {
     }
   BackwardParams bp;
   bp.fwd = p;
-  bp.fwd.rng_state_out = nullptr;
-  bp.fwd.rng_state_in = c.dropout > 0 ? rng_state : nullptr;
+  bp.fwd.dropout.state_out = nullptr;
+  bp.fwd.dropout.state_in = c.dropout > 0 ? rng_state : nullptr;
   bp.grad_out = dout.matrix(c.H);
-  bp.lse = lse.data();
+  bp.fwd.lse = lse.data();
   bp.delta = delta.data();
   std::vector<A> grad_q(size_t(O) * c.L * c.E, A(0)), grad_k(size_t(O) * c.S * c.E, A(-3)),
       grad_v(size_t(O) * c.S * c.Ev, A(-3));

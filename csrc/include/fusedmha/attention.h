@@ -30,8 +30,8 @@ FUSEDMHA_API at::Tensor scaled_dot_product_attention(
 // the per-row log-sum-exp of the scaled, masked scores, shape (..., H, L),
 // float32 (float64 for float64 inputs; +inf for rows with no key to attend
 // to), and the dropout rng state, int64 [seed, offset] (drawn from the
-// default CPU generator when dropout_p > 0, so torch::manual_seed makes runs
-// repeatable).
+// default generator of the query's device when dropout_p > 0, so
+// torch::manual_seed makes runs repeatable).
 FUSEDMHA_API std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward(
     const at::Tensor& query,
     const at::Tensor& key,

@@ -1,9 +1,9 @@
 #pragma once
 
-// The CUDA kernels' entry points, as the host wrappers (attention_cuda.cpp)
+// The CUDA kernels' launchers, as the host wrappers (attention_cuda.cpp)
 // call them. Each returns the launch's error (cudaSuccess when it started).
 
-#include "cuda/cuda_params.h"
+#include "common/attention_params.h"
 
 #include <cuda_runtime_api.h>
 

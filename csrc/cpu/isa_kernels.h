@@ -1,0 +1,62 @@
+#pragma once
+
+// The CPU kernels' entry points, one set per ISA level. Each
+// csrc/cpu/*_kernel.cpp is compiled once per level with
+// -DCPU_CAPABILITY=<LEVEL>, which puts its functions in namespace
+// fusedmha::cpu::<LEVEL>; selected_kernels() picks the level's set at run
+// time (isa.h). The kernels read the params of common/attention_params.h
+// and nothing of ATen's tensors.
+
+#include "common/attention_params.h"
+
+#include <cstddef>
+#include <cstdint>
+
+namespace fusedmha::cpu {
+
+// How a kernel splits a call into work items, as its configure function
+// chose for the ISA level and the thread count: block sizes, the number of
+// items, and the scratch memory one thread needs.
+struct WorkSplit {
+  int64_t block_q = 0;   // query rows per block
+  int64_t block_kv = 0;  // keys per block
+  int64_t items = 0;
+  size_t workspace_bytes = 0;
+};
+
+#define FUSEDMHA_DECLARE_CPU_KERNELS(LEVEL)                                                \
+  namespace LEVEL {                                                                        \
+  /* One item = one (outer index, block of query rows). */                                 \
+  WorkSplit forward_configure(const AttentionParams& p, int64_t threads);                  \
+  void forward_item(const AttentionParams& p, const WorkSplit& s, int64_t item,            \
+                    void* workspace);                                                      \
+  /* One item = one (outer index, set of key blocks); also sets bp.grad_q_splits. */       \
+  WorkSplit backward_configure(BackwardParams& bp, int64_t threads);                       \
+  void backward_item(const BackwardParams& bp, const WorkSplit& s, int64_t item,           \
+                     void* workspace);                                                     \
+  /* One item = one (outer index / heads_per_item, block of query rows). */                \
+  WorkSplit weights_configure(const WeightsParams& wp, int64_t threads);                   \
+  void weights_item(const WeightsParams& wp, const WorkSplit& s, int64_t item,             \
+                    void* workspace);                                                      \
+  }
+
+FUSEDMHA_DECLARE_CPU_KERNELS(DEFAULT)
+FUSEDMHA_DECLARE_CPU_KERNELS(AVX2)
+FUSEDMHA_DECLARE_CPU_KERNELS(AVX512)
+
+#undef FUSEDMHA_DECLARE_CPU_KERNELS
+
+// The kernels of one ISA level.
+struct IsaKernels {
+  WorkSplit (*forward_configure)(const AttentionParams&, int64_t);
+  void (*forward_item)(const AttentionParams&, const WorkSplit&, int64_t, void*);
+  WorkSplit (*backward_configure)(BackwardParams&, int64_t);
+  void (*backward_item)(const BackwardParams&, const WorkSplit&, int64_t, void*);
+  WorkSplit (*weights_configure)(const WeightsParams&, int64_t);
+  void (*weights_item)(const WeightsParams&, const WorkSplit&, int64_t, void*);
+};
+
+// The kernels of the ISA level selected now (see isa.h).
+IsaKernels selected_kernels();
+
+}  // namespace fusedmha::cpu

@@ -1,6 +1,0 @@
-// One instance of the tensor-core forward kernel: bf16, head dims up to 256.
-#include "cuda/flash_forward.cuh"
-
-namespace fusedmha::cuda {
-template cudaError_t run_flash_forward<__nv_bfloat16, 256>(const AttentionParams&, cudaStream_t);
-}  // namespace fusedmha::cuda

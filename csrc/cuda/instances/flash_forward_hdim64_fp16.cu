@@ -1,6 +1,0 @@
-// One instance of the tensor-core forward kernel: fp16, head dims up to 64.
-#include "cuda/flash_forward.cuh"
-
-namespace fusedmha::cuda {
-template cudaError_t run_flash_forward<__half, 64>(const AttentionParams&, cudaStream_t);
-}  // namespace fusedmha::cuda

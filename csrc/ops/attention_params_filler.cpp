@@ -1,0 +1,181 @@
+#include "ops/attention_params_filler.h"
+
+#include "ops/attention_shapes.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+
+namespace fusedmha::ops {
+namespace {
+
+// Stride of one of the last two dims (-1 or -2); a missing or size-1 dim
+// broadcasts (stride 0).
+int64_t broadcast_stride(const at::Tensor& t, int64_t dim) {
+  if (t.dim() < -dim || t.size(dim) == 1) return 0;
+  return t.stride(dim);
+}
+
+}  // namespace
+
+DType dtype_of(at::ScalarType t) {
+  switch (t) {
+    case at::kDouble: return DType::Float64;
+    case at::kBFloat16: return DType::BFloat16;
+    case at::kHalf: return DType::Float16;
+    default: return DType::Float32;
+  }
+}
+
+MaskKind mask_kind_of(const at::Tensor& mask, const at::Tensor& query) {
+  if (mask.scalar_type() == at::kBool) return MaskKind::Bool;
+  return mask.scalar_type() == query.scalar_type() ? MaskKind::Additive : MaskKind::AdditiveFloat32;
+}
+
+at::Tensor last_dim_contiguous(const at::Tensor& t) {
+  return t.size(-1) <= 1 || t.stride(-1) == 1 ? t : t.contiguous();
+}
+
+AttentionCall::AttentionCall(const char* op, const at::Tensor& query, const at::Tensor& key,
+                             const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
+                             bool is_causal, std::optional<double> scale, bool enable_gqa,
+                             RowLayout layout)
+    : query_(query), layout_(layout) {
+  for (const c10::SymInt& s : attention_outer_shape(op, query, key, value, enable_gqa)) {
+    outer_shape_.push_back(s.expect_int());
+  }
+  // Outer dims of size 1 take no part in the kernels' indexing.
+  AttentionParams& p = inputs_;
+  p.num_outer = 1;
+  for (const int64_t size : outer_shape_) {
+    p.num_outer *= size;
+    if (size == 1) continue;
+    TORCH_CHECK(p.outer.dims < kMaxOuterDims, op, ": at most ", kMaxOuterDims,
+                " batch and head dims of size > 1 are supported, got the attention shape ",
+                c10::IntArrayRef(outer_shape_));
+    p.outer.size[p.outer.dims++] = size;
+  }
+  p.dtype = dtype_of(query.scalar_type());
+  p.len_q = query.size(-2);
+  p.len_kv = key.size(-2);
+  p.dim_qk = query.size(-1);
+  p.dim_v = value.size(-1);
+  p.q = describe_in_layout(query);
+  p.k = describe_in_layout(key);
+  p.v = describe_in_layout(value);
+  if (attn_mask.has_value()) {
+    p.mask = describe(*attn_mask);
+    p.mask_kind = mask_kind_of(*attn_mask, query);
+  }
+  p.scale = attention_scale(query, scale);
+  p.is_causal = is_causal;
+}
+
+Matrix AttentionCall::describe(const at::Tensor& t) const {
+  Matrix m;
+  m.data = const_cast<void*>(t.const_data_ptr());
+  const int64_t n = static_cast<int64_t>(outer_shape_.size());
+  int c = 0;  // the kernels' outer dim
+  for (int64_t d = 0; d < n; ++d) {
+    const int64_t size = outer_shape_[d];
+    if (size == 1) continue;
+    const int64_t td = t.dim() - 2 - (n - d);  // t's dim aligned with outer dim d
+    m.divisor[c] = 1;
+    if (td >= 0 && t.size(td) != 1) {
+      m.outer_stride[c] = t.stride(td);
+      // A head count that divides the output's is grouped-query: head h
+      // reads h / (H / H_t). (Size 0: nothing is read.)
+      m.divisor[c] = t.size(td) == 0 ? 1 : size / t.size(td);
+    }
+    ++c;
+  }
+  m.row_stride = broadcast_stride(t, -2);
+  m.col_stride = broadcast_stride(t, -1);
+  return m;
+}
+
+Matrix AttentionCall::describe_in_layout(const at::Tensor& t) {
+  const at::Tensor laid_out = layout_(t);
+  if (!laid_out.is_same(t)) kept_.push_back(laid_out);
+  return describe(laid_out);
+}
+
+DropoutParams AttentionCall::replay_dropout(const at::Tensor& rng_state, double dropout_p) {
+  DropoutParams d;
+  if (dropout_p <= 0) return d;
+  d.p = dropout_p;
+  d.threshold = dropout_threshold(dropout_p);
+  if (query_.is_cpu()) {
+    const at::Tensor state = rng_state.cpu();
+    d.seed = static_cast<uint64_t>(state[0].item<int64_t>());
+    d.offset = static_cast<uint64_t>(state[1].item<int64_t>());
+  } else {
+    // Read where the kernel runs: the host never waits for the device.
+    kept_.push_back(rng_state.to(query_.device()));
+    d.state_in = kept_.back().const_data_ptr<int64_t>();
+  }
+  return d;
+}
+
+AttentionParams AttentionCall::forward(const at::Tensor& out, const at::Tensor& lse) {
+  AttentionParams p = inputs_;
+  p.out = describe(out);
+  p.lse = lse.mutable_data_ptr();
+  return p;
+}
+
+BackwardParams AttentionCall::backward(const at::Tensor& grad_out, const at::Tensor& out,
+                                       const at::Tensor& logsumexp, const at::Tensor& rng_state,
+                                       double dropout_p) {
+  BackwardParams bp;
+  bp.fwd = inputs_;
+  bp.fwd.out = describe_in_layout(out);
+  const at::Tensor lse = logsumexp.contiguous();
+  kept_.push_back(lse);
+  bp.fwd.lse = const_cast<void*>(lse.const_data_ptr());
+  bp.fwd.dropout = replay_dropout(rng_state, dropout_p);
+  bp.grad_out = describe_in_layout(grad_out);
+  return bp;
+}
+
+DenseGradients AttentionCall::allocate_gradients(BackwardParams& bp) const {
+  const auto acc = query_.options().dtype(query_.scalar_type() == at::kDouble ? at::kDouble
+                                                                              : at::kFloat);
+  const AttentionParams& p = bp.fwd;
+  std::vector<int64_t> shape = outer_shape_;
+  shape.insert(shape.begin(), bp.grad_q_splits);
+  shape.insert(shape.end(), {p.len_q, p.dim_qk});
+  DenseGradients g;
+  g.q = at::zeros(shape, acc);
+  shape.erase(shape.begin());
+  shape.end()[-2] = p.len_kv;
+  g.k = at::empty(shape, acc);
+  shape.back() = p.dim_v;
+  g.v = at::empty(shape, acc);
+  bp.grad_q = g.q.mutable_data_ptr();
+  bp.grad_k = g.k.mutable_data_ptr();
+  bp.grad_v = g.v.mutable_data_ptr();
+  return g;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> DenseGradients::reduced_to(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value) const {
+  const at::Tensor dq = q.size(0) == 1 ? q.select(0, 0) : q.sum(0);
+  return {reduce_to_input(dq, query), reduce_to_input(k, key), reduce_to_input(v, value)};
+}
+
+WeightsParams AttentionCall::weights(const at::Tensor& logsumexp, const at::Tensor& rng_state,
+                                     double dropout_p, bool average_heads,
+                                     const at::Tensor& weights) {
+  WeightsParams wp;
+  wp.fwd = inputs_;
+  const at::Tensor lse = logsumexp.contiguous();
+  kept_.push_back(lse);
+  wp.fwd.lse = const_cast<void*>(lse.const_data_ptr());
+  wp.fwd.dropout = replay_dropout(rng_state, dropout_p);
+  wp.heads_per_item = average_heads ? outer_shape_.back() : 1;
+  wp.weights = weights.mutable_data_ptr();
+  return wp;
+}
+
+}  // namespace fusedmha::ops

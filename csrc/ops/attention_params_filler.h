@@ -1,0 +1,90 @@
+#pragma once
+
+// Fills the kernels' params (common/attention_params.h) from checked
+// tensors: one filler per pass, used by the CPU and the CUDA host wrappers
+// alike, so a call is described to every backend the same way.
+
+#include "common/attention_params.h"
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace fusedmha::ops {
+
+DType dtype_of(at::ScalarType t);
+
+// A bool mask, a mask in the query's dtype, or a float32 mask for a
+// half-precision query (check_attention_inputs allows nothing else).
+MaskKind mask_kind_of(const at::Tensor& mask, const at::Tensor& query);
+
+// How a backend wants the rows of q/k/v (and, in the backward, out and
+// grad_out) laid out: t itself when it qualifies, else a copy that does.
+using RowLayout = at::Tensor (*)(const at::Tensor&);
+
+// t itself when its last dim is contiguous, else a copy that is (the CPU
+// kernels, the simple CUDA kernels).
+at::Tensor last_dim_contiguous(const at::Tensor& t);
+
+// The gradients of a backward call per output head, in the accumulation
+// dtype (float; double for float64): q is (grad_q_splits, outer..., L, E),
+// zeroed; k and v are (outer..., S, E) and (outer..., S, Ev).
+struct DenseGradients {
+  at::Tensor q, k, v;
+
+  // Summed over the dQ slices, grouped heads and broadcast dims into the
+  // shapes and dtypes of the inputs.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> reduced_to(const at::Tensor& query,
+                                                            const at::Tensor& key,
+                                                            const at::Tensor& value) const;
+};
+
+// One attention call described for the kernels (the inputs already checked).
+// It keeps alive every copy its row layout made, and the device copy of a
+// replayed rng_state, so it must outlive the kernels' run.
+class AttentionCall {
+ public:
+  AttentionCall(const char* op, const at::Tensor& query, const at::Tensor& key,
+                const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
+                bool is_causal, std::optional<double> scale, bool enable_gqa,
+                RowLayout layout = last_dim_contiguous);
+
+  // The forward pass writing out and lse (as allocate_attention_outputs
+  // made them). Dropout is left off: the backend draws its stream.
+  AttentionParams forward(const at::Tensor& out, const at::Tensor& lse);
+
+  // The backward pass of the forward call that returned out, logsumexp
+  // and rng_state; gradient pointers are set by allocate_gradients once
+  // the backend has chosen bp.grad_q_splits.
+  BackwardParams backward(const at::Tensor& grad_out, const at::Tensor& out,
+                          const at::Tensor& logsumexp, const at::Tensor& rng_state,
+                          double dropout_p);
+  DenseGradients allocate_gradients(BackwardParams& bp) const;
+
+  // The weights pass of the forward call that returned logsumexp and
+  // rng_state, writing into weights (allocate_attention_weights's).
+  WeightsParams weights(const at::Tensor& logsumexp, const at::Tensor& rng_state,
+                        double dropout_p, bool average_heads, const at::Tensor& weights);
+
+  // The inputs alone (no outputs, dropout off).
+  const AttentionParams& inputs() const { return inputs_; }
+
+ private:
+  // t's (rows, cols) matrices indexed by the kernels' outer shape.
+  Matrix describe(const at::Tensor& t) const;
+  // describe(t) after the row layout (any copy kept alive).
+  Matrix describe_in_layout(const at::Tensor& t);
+  // The dropout stream a forward call drew (rng_state as it returned it);
+  // off when dropout_p is 0.
+  DropoutParams replay_dropout(const at::Tensor& rng_state, double dropout_p);
+
+  at::Tensor query_;
+  RowLayout layout_;
+  std::vector<int64_t> outer_shape_;  // batch dims..., heads (sizes 1 included)
+  AttentionParams inputs_;
+  std::vector<at::Tensor> kept_;
+};
+
+}  // namespace fusedmha::ops

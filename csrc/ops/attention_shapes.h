@@ -1,0 +1,55 @@
+#pragma once
+
+// The shapes of an attention call: the outer (batch dims, heads) shape, the
+// outputs every backend allocates (CPU, CUDA and Meta alike, so shapes and
+// strides agree), gradients summed back into their inputs' shapes, and the
+// default scale. Works on symbolic sizes where the Meta kernels need it.
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace fusedmha::ops {
+
+// "[2, 8, 128, 64]": sizes as error messages print them.
+std::string shape_str(c10::SymIntArrayRef sizes);
+
+// The broadcast shape of everything before (L, E): batch dims..., heads.
+// Batch and head dims broadcast like matmul's (size 1 stretches); with
+// enable_gqa the key/value head counts may instead divide the query's.
+// Raises, naming op, when they do not.
+std::vector<c10::SymInt> attention_outer_shape(const char* op,
+                                               const at::Tensor& query,
+                                               const at::Tensor& key,
+                                               const at::Tensor& value,
+                                               bool enable_gqa);
+
+// Output (..., H, L, Ev) in the query's layout, as PyTorch's SDPA returns it, the
+// log-sum-exp (..., H, L), float32 (float64 for float64 inputs), and the
+// dropout rng state (int64 [seed, offset]).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_attention_outputs(const at::Tensor& query,
+                                                                          const at::Tensor& key,
+                                                                          const at::Tensor& value,
+                                                                          bool enable_gqa);
+
+// The attention weights (..., H, L, S), or (..., L, S) averaged over heads,
+// contiguous, in the query's dtype.
+at::Tensor allocate_attention_weights(const at::Tensor& query,
+                                      const at::Tensor& key,
+                                      bool enable_gqa,
+                                      bool average_heads);
+
+// A gradient computed per output head (outer..., rows, cols), summed into
+// the shape of the input it belongs to (GQA groups, broadcast batch/head
+// dims) and cast to its dtype.
+at::Tensor reduce_to_input(at::Tensor grad, const at::Tensor& input);
+
+// The scale of the scores: scale, or 1/sqrt(E) when it is not given. With
+// E = 0 every score is 0 whatever the scale, so the (then infinite)
+// default is taken as 0.
+double attention_scale(const at::Tensor& query, std::optional<double> scale);
+
+}  // namespace fusedmha::ops
