@@ -10,6 +10,7 @@ set(FUSEDMHA_SOURCES
   csrc/ops/attention_autograd.cpp
   csrc/ops/build_info.cpp
   csrc/modules/multihead_attention.cpp
+  csrc/modules/multihead_attention_core.cpp
   csrc/cpu/attention_forward.cpp
   csrc/cpu/attention_backward.cpp
   csrc/cpu/attention_weights.cpp

@@ -1,13 +1,13 @@
-// fusedmha::MultiheadAttention: the projections, mask canonicalisation and
-// head layout around the fused attention op (the C++ twin of
-// python/fusedmha/modules.py).
+// fusedmha::MultiheadAttention: checks, projections and head layout around
+// the op shared with python/fusedmha/modules.py
+// (modules/multihead_attention_core.h: masks, extra keys, fused attention).
 
-#include <fusedmha/attention.h>
+#include "modules/multihead_attention_core.h"
+
 #include <fusedmha/multihead_attention.h>
 
 #include <torch/nn/init.h>
 #include <torch/nn/functional/linear.h>
-#include <torch/nn/functional/padding.h>
 
 #include <ostream>
 
@@ -19,43 +19,14 @@ namespace F = torch::nn::functional;
 
 constexpr const char* kModule = "fusedmha::MultiheadAttention";
 
-void check_mask_dtype(const Tensor& mask, const char* name, torch::ScalarType query_dtype) {
-  if (!mask.defined() || mask.scalar_type() == torch::kBool) return;
-  TORCH_CHECK(mask.is_floating_point(), kModule, ": only bool and floating types of ", name,
-              " are supported, got ", mask.scalar_type());
-  TORCH_CHECK(mask.scalar_type() == query_dtype, kModule, ": expected a float ", name,
-              " of the query's dtype (", query_dtype, "), got ", mask.scalar_type());
+void check_mask_dtype(const Tensor& mask, const char* name) {
+  TORCH_CHECK(!mask.defined() || mask.scalar_type() == torch::kBool || mask.is_floating_point(),
+              kModule, ": only bool and floating types of ", name, " are supported, got ",
+              mask.scalar_type());
 }
 
-// A mask with `extra` more keys that every query may attend to.
-Tensor pad_keys(const Tensor& mask, int64_t extra) {
-  return mask.defined() ? F::pad(mask, F::PadFuncOptions({0, extra})) : mask;
-}
-
-// A mask as a float term added to the scores, in dtype or float32 (the op takes both).
-Tensor additive(const Tensor& mask, torch::ScalarType dtype) {
-  if (mask.scalar_type() == torch::kBool) {
-    return torch::zeros(mask.sizes(), mask.options().dtype(dtype))
-        .masked_fill_(mask, -std::numeric_limits<double>::infinity());
-  }
-  return mask.scalar_type() == dtype || mask.scalar_type() == torch::kFloat ? mask
-                                                                            : mask.to(dtype);
-}
-
-// The module's masks (bool true = masked, float added), broadcastable to
-// (N, H, L, S), as one mask for the op (bool true = may attend). Built only
-// when both are given.
-std::optional<Tensor> merge_masks(const Tensor& attn_mask, const Tensor& key_padding_mask,
-                                  torch::ScalarType dtype) {
-  if (!attn_mask.defined() || !key_padding_mask.defined()) {
-    const Tensor& mask = attn_mask.defined() ? attn_mask : key_padding_mask;
-    if (!mask.defined()) return std::nullopt;
-    return mask.scalar_type() == torch::kBool ? mask.logical_not() : additive(mask, dtype);
-  }
-  if (attn_mask.scalar_type() == torch::kBool && key_padding_mask.scalar_type() == torch::kBool) {
-    return attn_mask.logical_or(key_padding_mask).logical_not();
-  }
-  return additive(attn_mask, dtype) + additive(key_padding_mask, dtype);
+std::optional<Tensor> optional(const Tensor& t) {
+  return t.defined() ? std::optional<Tensor>(t) : std::nullopt;
 }
 
 // A projection (L, N, parts*E) or (N, L, parts*E) viewed as (parts, N, H, L, D).
@@ -174,11 +145,41 @@ std::tuple<Tensor, Tensor, Tensor> MultiheadAttentionImpl::project(const Tensor&
 std::tuple<Tensor, Tensor> MultiheadAttentionImpl::forward(
     const Tensor& query, const Tensor& key, const Tensor& value, const Tensor& key_padding_mask,
     bool need_weights, const Tensor& attn_mask, bool average_attn_weights, bool is_causal) {
-  const int64_t E = options.embed_dim(), H = options.num_heads();
+  check_inputs(query, key, value, key_padding_mask, attn_mask);
+  const bool batched = query.dim() == 3;
+  // Inputs stay in their own layout: (L, N, E), or (N, L, E) with batch_first.
+  const bool seq_first = !(options.batch_first() && batched);
+  Tensor q_in = query, k_in = key, v_in = value, padding = key_padding_mask;
+  if (!batched) {
+    q_in = query.unsqueeze(1);
+    k_in = key.is_same(query) ? q_in : key.unsqueeze(1);
+    v_in = value.is_same(key) ? k_in : value.unsqueeze(1);
+    if (padding.defined()) padding = padding.unsqueeze(0);
+  }
+  check_batched_shapes(q_in, k_in, v_in, seq_first, query, key, value);
+  auto [q, k, v] = project(q_in, k_in, v_in, seq_first);
+  const auto [mask_view, padding_view] = mask_views(attn_mask, padding, q_in, k_in, seq_first,
+                                                    batched, key_padding_mask);
+
+  const double dropout_p = is_training() ? options.dropout() : 0.0;
+  auto [out, weights] = multihead_attention_core(
+      q, k, v, mask_view, padding_view, optional(bias_k), optional(bias_v),
+      options.add_zero_attn(), dropout_p, need_weights, average_attn_weights, is_causal);
+  if (!need_weights) weights = Tensor();
+  if (weights.defined() && !batched) weights = weights.squeeze(0);
+  // out (N, H, L, D) follows q's layout: (N, L, H, D) or (L, N, H, D) memory.
+  out = (seq_first ? out.permute({2, 0, 1, 3}) : out.transpose(1, 2)).flatten(2);
+  out = out_proj->forward(out);
+  if (!batched) out = out.squeeze(1);
+  return std::make_tuple(out, weights);
+}
+
+void MultiheadAttentionImpl::check_inputs(const Tensor& query, const Tensor& key,
+                                          const Tensor& value, const Tensor& key_padding_mask,
+                                          const Tensor& attn_mask) const {
   TORCH_CHECK(query.dim() == 2 || query.dim() == 3, kModule,
               ": expected query to be unbatched 2-D (L, E) or batched 3-D, got a ", query.dim(),
               "-D tensor");
-  const bool batched = query.dim() == 3;
   TORCH_CHECK(key.dim() == query.dim() && value.dim() == query.dim(), kModule, ": for a ",
               query.dim(), "-D query, expected key and value to be ", query.dim(),
               "-D too, got ", key.dim(), "-D and ", value.dim(), "-D");
@@ -187,45 +188,45 @@ std::tuple<Tensor, Tensor> MultiheadAttentionImpl::forward(
               query.dim() - 1, "-D, got ", key_padding_mask.dim(), "-D");
   TORCH_CHECK(!attn_mask.defined() || attn_mask.dim() == 2 || attn_mask.dim() == 3, kModule,
               ": expected attn_mask to be undefined, 2-D or 3-D, got ", attn_mask.dim(), "-D");
-  check_mask_dtype(key_padding_mask, "key_padding_mask", query.scalar_type());
-  check_mask_dtype(attn_mask, "attn_mask", query.scalar_type());
-
-  Tensor q_in = query, k_in = key, v_in = value, padding = key_padding_mask;
-  if (!batched) {
-    q_in = query.unsqueeze(1);
-    k_in = key.is_same(query) ? q_in : key.unsqueeze(1);
-    v_in = value.is_same(key) ? k_in : value.unsqueeze(1);
-    if (padding.defined()) padding = padding.unsqueeze(0);
-  }
-  // Inputs stay in their own layout: (L, N, E), or (N, L, E) with batch_first.
-  const bool seq_first = !(options.batch_first() && batched);
-  const int64_t seq_dim = seq_first ? 0 : 1;
-  const int64_t L = q_in.size(seq_dim), N = q_in.size(1 - seq_dim), S = k_in.size(seq_dim);
-  TORCH_CHECK(q_in.size(2) == E, kModule, ": expected query's last dim to be embed_dim=", E,
-              ", got ", query.sizes());
-  TORCH_CHECK(k_in.size(2) == options.kdim() && v_in.size(2) == options.vdim(), kModule,
-              ": expected key's last dim to be kdim=", options.kdim(),
-              " and value's to be vdim=", options.vdim(), ", got key ", key.sizes(),
-              " and value ", value.sizes());
-  TORCH_CHECK(k_in.size(seq_dim) == v_in.size(seq_dim) && k_in.size(1 - seq_dim) == N &&
-                  v_in.size(1 - seq_dim) == N,
-              kModule, ": expected key and value of the same sequence length and query's batch "
-              "size, got query ", query.sizes(), ", key ", key.sizes(), ", value ",
-              value.sizes());
+  check_mask_dtype(key_padding_mask, "key_padding_mask");
+  check_mask_dtype(attn_mask, "attn_mask");
   TORCH_CHECK(query.scalar_type() == key.scalar_type() &&
                   query.scalar_type() == value.scalar_type(),
               kModule, ": expected query, key and value of the same dtype, got ",
               query.scalar_type(), ", ", key.scalar_type(), " and ", value.scalar_type());
+}
 
-  auto [q, k, v] = project(q_in, k_in, v_in, seq_first);
+void MultiheadAttentionImpl::check_batched_shapes(const Tensor& q, const Tensor& k,
+                                                  const Tensor& v, bool seq_first,
+                                                  const Tensor& query, const Tensor& key,
+                                                  const Tensor& value) const {
+  const int64_t seq_dim = seq_first ? 0 : 1, N = q.size(1 - seq_dim);
+  TORCH_CHECK(q.size(2) == options.embed_dim(), kModule,
+              ": expected query's last dim to be embed_dim=", options.embed_dim(), ", got ",
+              query.sizes());
+  TORCH_CHECK(k.size(2) == options.kdim() && v.size(2) == options.vdim(), kModule,
+              ": expected key's last dim to be kdim=", options.kdim(),
+              " and value's to be vdim=", options.vdim(), ", got key ", key.sizes(),
+              " and value ", value.sizes());
+  TORCH_CHECK(k.size(seq_dim) == v.size(seq_dim) && k.size(1 - seq_dim) == N &&
+                  v.size(1 - seq_dim) == N,
+              kModule, ": expected key and value of the same sequence length and query's batch "
+              "size, got query ", query.sizes(), ", key ", key.sizes(), ", value ",
+              value.sizes());
+}
 
-  Tensor mask_in;
+std::tuple<std::optional<Tensor>, std::optional<Tensor>> MultiheadAttentionImpl::mask_views(
+    const Tensor& attn_mask, const Tensor& padding, const Tensor& q, const Tensor& k,
+    bool seq_first, bool batched, const Tensor& key_padding_mask) const {
+  const int64_t seq_dim = seq_first ? 0 : 1, H = options.num_heads();
+  const int64_t L = q.size(seq_dim), N = q.size(1 - seq_dim), S = k.size(seq_dim);
+  std::optional<Tensor> mask_view, padding_view;
   if (attn_mask.defined()) {
     if (attn_mask.dim() == 2) {
       TORCH_CHECK(attn_mask.size(0) == L && attn_mask.size(1) == S, kModule,
                   ": expected a 2-D attn_mask of shape (L, S) = (", L, ", ", S, "), got ",
                   attn_mask.sizes());
-      mask_in = attn_mask.view({1, 1, L, S});
+      mask_view = attn_mask.view({1, 1, L, S});
     } else {
       const int64_t expected = batched ? N * H : H;
       TORCH_CHECK(attn_mask.size(0) == expected && attn_mask.size(1) == L &&
@@ -233,60 +234,16 @@ std::tuple<Tensor, Tensor> MultiheadAttentionImpl::forward(
                   kModule, ": expected a 3-D attn_mask of shape (", batched ? "N * " : "",
                   "num_heads, L, S) = (", expected, ", ", L, ", ", S, "), got ",
                   attn_mask.sizes());
-      mask_in = attn_mask.view({N, H, L, S});
+      mask_view = attn_mask.view({N, H, L, S});
     }
   }
   if (padding.defined()) {
     TORCH_CHECK(padding.size(0) == N && padding.size(1) == S, kModule,
                 ": expected key_padding_mask of shape (N, S) = (", N, ", ", S, "), got ",
                 key_padding_mask.sizes());
-    padding = padding.view({N, 1, 1, S});
+    padding_view = padding.view({N, 1, 1, S});
   }
-
-  // Extra keys every query sees: the learnt bias_k/bias_v, then a zero key.
-  const int64_t extra_keys = int64_t(bias_k.defined()) + int64_t(options.add_zero_attn());
-  if (is_causal && extra_keys > 0) {
-    // Top-left causal masking would hide the appended keys from early queries.
-    if (!mask_in.defined()) {
-      mask_in = torch::ones({L, S}, q.options().dtype(torch::kBool)).triu(1).view({1, 1, L, S});
-    }
-    is_causal = false;
-  } else if (is_causal) {
-    mask_in = Tensor();  // attn_mask is the causal mask: the kernel masks without reading it
-  }
-  if (bias_k.defined()) {
-    const std::vector<int64_t> shape{N, H, 1, head_dim};
-    k = torch::cat(std::vector<Tensor>{k, bias_k.view({1, H, 1, head_dim}).expand(shape)}, 2);
-    v = torch::cat(std::vector<Tensor>{v, bias_v.view({1, H, 1, head_dim}).expand(shape)}, 2);
-  }
-  if (options.add_zero_attn()) {
-    k = torch::cat(std::vector<Tensor>{k, k.new_zeros({N, H, 1, head_dim})}, 2);
-    v = torch::cat(std::vector<Tensor>{v, v.new_zeros({N, H, 1, head_dim})}, 2);
-  }
-  if (extra_keys > 0) {
-    mask_in = pad_keys(mask_in, extra_keys);
-    padding = pad_keys(padding, extra_keys);
-  }
-  const std::optional<Tensor> mask = merge_masks(mask_in, padding, q.scalar_type());
-
-  // Dropout 1 drops every probability, as torch::dropout does (the kernels take p < 1).
-  const bool drop_all = is_training() && options.dropout() == 1.0;
-  const double dropout_p = is_training() && !drop_all ? options.dropout() : 0.0;
-  auto [out, lse, rng_state] =
-      fusedmha::attention_forward(q, k, v, mask, dropout_p, is_causal);
-  if (drop_all) out = out.mul(0.0);
-  Tensor weights;
-  if (need_weights) {
-    weights = fusedmha::attention_weights(q, k, lse, rng_state, mask, dropout_p, is_causal,
-                                          std::nullopt, false, average_attn_weights);
-    if (!batched) weights = weights.squeeze(0);
-    if (drop_all) weights = weights.mul(0.0);
-  }
-  // out (N, H, L, D) follows q's layout: (N, L, H, D) or (L, N, H, D) memory.
-  out = (seq_first ? out.permute({2, 0, 1, 3}) : out.transpose(1, 2)).flatten(2);
-  out = out_proj->forward(out);
-  if (!batched) out = out.squeeze(1);
-  return std::make_tuple(out, weights);
+  return {mask_view, padding_view};
 }
 
 }  // namespace fusedmha

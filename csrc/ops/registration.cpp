@@ -37,6 +37,15 @@ TORCH_LIBRARY(fusedmha, m) {
   m.def(
       "_dropout_keep_mask(Tensor rng_state, int outer, int len_q, int len_kv, float dropout_p) "
       "-> Tensor");
+  // MultiheadAttention's forward between its input and output projections,
+  // for the Python and C++ modules alike (csrc/modules/multihead_attention_core.h):
+  // module masks (bool true = masked), extra keys, the causal hint, dropout
+  // 1, the fused attention and weights. weights is empty unless need_weights.
+  m.def(
+      "_multihead_attention_core(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, "
+      "Tensor? key_padding_mask, Tensor? bias_k, Tensor? bias_v, bool add_zero_attn, "
+      "float dropout_p, bool need_weights, bool average_attn_weights, bool is_causal) "
+      "-> (Tensor output, Tensor weights)");
   // torch.nn.functional.scaled_dot_product_attention's signature; a
   // composite of attention_forward (csrc/ops/attention.cpp).
   m.def(

@@ -132,6 +132,36 @@ class MultiheadAttention(nn.Module):
         the output shaped like query, and the weights ``(N, L, S)`` averaged over heads or
         ``(N, num_heads, L, S)`` (no N when unbatched), or None when ``need_weights=False``.
         """
+        is_batched = self._check_inputs(query, key, value, key_padding_mask, attn_mask)
+        # Batched inputs, kept in their own layout: (L, N, E), or (N, L, E) with batch_first.
+        seq_first = not (self.batch_first and is_batched)
+        if not is_batched:
+            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+            if key_padding_mask is not None:
+                key_padding_mask = key_padding_mask.unsqueeze(0)
+        self._check_batched_shapes(query, key, value, seq_first)
+        q, k, v = self._project(query, key, value, seq_first)
+        attn_mask, key_padding_mask = self._mask_views(
+            attn_mask, key_padding_mask, q.shape[0], q.shape[2], k.shape[2]
+        )
+        dropout_p = float(self.dropout) if self.training else 0.0
+        # Masks, extra keys, the causal hint and the fused attention: one C++ op shared with
+        # the C++ module (csrc/modules/multihead_attention_core.cpp).
+        out, weights = torch.ops.fusedmha._multihead_attention_core(
+            q, k, v, attn_mask, key_padding_mask, self.bias_k, self.bias_v, self.add_zero_attn,
+            dropout_p, need_weights, average_attn_weights, is_causal,
+        )
+        # out (N, H, L, D) follows q's layout: (N, L, H, D) or (L, N, H, D) memory.
+        out = out.permute(2, 0, 1, 3) if seq_first else out.transpose(1, 2)
+        out = F.linear(out.flatten(2), self.out_proj.weight, self.out_proj.bias)
+        if not is_batched:
+            out = out.squeeze(1)
+            weights = weights.squeeze(0)
+        return out, weights if need_weights else None
+
+    def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor,
+                      key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor]) -> bool:
+        """nn.MultiheadAttention's checks, with its exception types; returns is_batched."""
         is_batched = F._mha_shape_check(
             query, key, value, key_padding_mask, attn_mask, self.num_heads
         )
@@ -146,16 +176,13 @@ class MultiheadAttention(nn.Module):
                 "Support for mismatched key_padding_mask and attn_mask is deprecated. "
                 "Use same type for both instead."
             )
+        return is_batched
 
-        # Batched inputs, kept in their own layout: (L, N, E), or (N, L, E) with batch_first.
-        seq_first = not (self.batch_first and is_batched)
-        if not is_batched:
-            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
-            if key_padding_mask is not None:
-                key_padding_mask = key_padding_mask.unsqueeze(0)
+    def _check_batched_shapes(self, query: Tensor, key: Tensor, value: Tensor,
+                              seq_first: bool) -> None:
+        """Embedding dims and batch sizes of the batched inputs, with PyTorch's messages."""
         seq_dim = 0 if seq_first else 1
-        tgt_len, bsz, embed_dim = query.shape[seq_dim], query.shape[1 - seq_dim], query.shape[2]
-        src_len = key.shape[seq_dim]
+        bsz, embed_dim = query.shape[1 - seq_dim], query.shape[2]
         if embed_dim != self.embed_dim:
             raise AssertionError(
                 f"was expecting embedding dimension of {self.embed_dim}, but got {embed_dim}"
@@ -182,17 +209,18 @@ class MultiheadAttention(nn.Module):
                     f"expecting value weights shape of {(self.embed_dim, value.shape[-1])}, but "
                     f"got {(self.embed_dim, self.vdim)}"
                 )
-
         if key.shape[1 - seq_dim] != bsz or value.shape[1 - seq_dim] != bsz:
             # PyTorch fails here on a view of the projected key: the same type, clearer words.
             raise RuntimeError(
                 f"expected key and value with the query's batch size {bsz}, got key "
                 f"{key.shape} and value {value.shape}"
             )
-        _check_mask_precision(key_padding_mask, "key_padding_mask", query.dtype)
-        _check_mask_precision(attn_mask, "attn_mask", query.dtype)
 
-        q, k, v = self._project(query, key, value, seq_first)
+    def _mask_views(self, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor],
+                    bsz: int, tgt_len: int, src_len: int
+                    ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+        """attn_mask viewed as (1, 1, L, S) or (N, H, L, S) and the batched key_padding_mask
+        as (N, 1, 1, S), their shapes checked with PyTorch's messages; never copied."""
         if attn_mask is not None:
             if attn_mask.dim() == 2:
                 if attn_mask.shape != (tgt_len, src_len):
@@ -222,57 +250,7 @@ class MultiheadAttention(nn.Module):
                     f"{key_padding_mask.shape[1]}"
                 )
             key_padding_mask = key_padding_mask.view(bsz, 1, 1, src_len)
-
-        # Extra keys: the learnt bias_k/bias_v, then a zero key/value; every query sees them.
-        extra_keys = int(self.bias_k is not None) + int(self.add_zero_attn)
-        if is_causal and extra_keys > 0:
-            # Top-left causal masking would hide the appended keys from the first queries.
-            if attn_mask is None:
-                attn_mask = torch.ones(
-                    tgt_len, src_len, dtype=torch.bool, device=q.device
-                ).triu(1).view(1, 1, tgt_len, src_len)
-            is_causal = False
-        elif is_causal:
-            attn_mask = None  # the hint: attn_mask is the causal mask
-        bias_k, bias_v = self.bias_k, self.bias_v
-        if bias_k is not None and bias_v is not None:
-            shape = [bsz, self.num_heads, 1, self.head_dim]
-            k = torch.cat([k, bias_k.view(1, self.num_heads, 1, self.head_dim).expand(shape)], 2)
-            v = torch.cat([v, bias_v.view(1, self.num_heads, 1, self.head_dim).expand(shape)], 2)
-        if self.add_zero_attn:
-            k = torch.cat([k, k.new_zeros(bsz, self.num_heads, 1, self.head_dim)], 2)
-            v = torch.cat([v, v.new_zeros(bsz, self.num_heads, 1, self.head_dim)], 2)
-        if extra_keys > 0:
-            attn_mask = _pad_keys(attn_mask, extra_keys)
-            key_padding_mask = _pad_keys(key_padding_mask, extra_keys)
-        mask = _merge_masks(attn_mask, key_padding_mask, q.dtype)
-
-        dropout_p = float(self.dropout) if self.training else 0.0
-        # dropout 1 drops every probability, as F.dropout does (the kernels take p < 1).
-        drop_all = dropout_p == 1.0
-        if drop_all:
-            dropout_p = 0.0
-        out, lse, rng_state = torch.ops.fusedmha.attention_forward(
-            q, k, v, mask, dropout_p, is_causal
-        )
-        weights: Optional[Tensor] = None
-        if need_weights:
-            weights = torch.ops.fusedmha.attention_weights(
-                q, k, lse, rng_state, mask, dropout_p, is_causal, None, False, average_attn_weights
-            )
-            if not is_batched:
-                weights = weights.squeeze(0)
-            if drop_all:
-                weights = weights * 0.0
-        if drop_all:
-            out = out * 0.0
-
-        # out (N, H, L, D) follows q's layout: (N, L, H, D) or (L, N, H, D) memory.
-        out = out.permute(2, 0, 1, 3) if seq_first else out.transpose(1, 2)
-        out = F.linear(out.flatten(2), self.out_proj.weight, self.out_proj.bias)
-        if not is_batched:
-            out = out.squeeze(1)
-        return out, weights
+        return attn_mask, key_padding_mask
 
     def merge_masks(
         self, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], query: Tensor
@@ -342,47 +320,3 @@ class MultiheadAttention(nn.Module):
 def _check_mask_dtype(mask: Optional[Tensor], name: str) -> None:
     if mask is not None and mask.dtype != torch.bool and not torch.is_floating_point(mask):
         raise AssertionError(f"only bool and floating types of {name} are supported")
-
-
-def _check_mask_precision(mask: Optional[Tensor], name: str, query_dtype: torch.dtype) -> None:
-    # PyTorch adds a float mask to the query's scores: one of lower precision is widened,
-    # one of higher precision (float64 for a float32 query) is an error.
-    if mask is not None and mask.dtype != torch.bool:
-        if torch.promote_types(mask.dtype, query_dtype) != query_dtype:
-            raise RuntimeError(
-                f"Expected a float {name} of the query's dtype ({query_dtype}) or lower "
-                f"precision, got {mask.dtype}"
-            )
-
-
-def _pad_keys(mask: Optional[Tensor], extra: int) -> Optional[Tensor]:
-    """mask with `extra` more keys that every query may attend to."""
-    if mask is None:
-        return None
-    return F.pad(mask, [0, extra])  # zeros: False (bool) or 0.0 (float)
-
-
-def _merge_masks(attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor],
-                 dtype: torch.dtype) -> Optional[Tensor]:
-    """nn.MultiheadAttention's masks (bool True = masked, float added), broadcastable to
-    (N, H, L, S), as one mask for the op (bool True = may attend, float added). Built only
-    when both are given: (N, 1, L, S), or (N, H, L, S) for a per-head attn_mask."""
-    if attn_mask is None or key_padding_mask is None:
-        mask = key_padding_mask if attn_mask is None else attn_mask
-        if mask is None:
-            return None
-        return ~mask if mask.dtype == torch.bool else _additive(mask, dtype)
-    if attn_mask.dtype == torch.bool and key_padding_mask.dtype == torch.bool:
-        return ~(attn_mask | key_padding_mask)
-    return _additive(attn_mask, dtype) + _additive(key_padding_mask, dtype)
-
-
-def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
-    """A mask as a float term added to the scores, in dtype or float32 (the op takes both)."""
-    if mask.dtype == torch.bool:
-        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
-            mask, float("-inf")
-        )
-    if mask.dtype != dtype and mask.dtype != torch.float32:
-        return mask.to(dtype)
-    return mask

@@ -12,6 +12,7 @@
 #include <torch/nn/pimpl.h>
 #include <torch/types.h>
 
+#include <optional>
 #include <tuple>
 
 namespace fusedmha {
@@ -43,7 +44,9 @@ struct FUSEDMHA_API MultiheadAttentionOptions {
 // The same parameters, under the same names and in the same order, as
 // torch::nn::MultiheadAttention, so torch::save of one loads into the other;
 // the same forward arguments (plus is_causal) and results. Unlike it, bool
-// masks (true = masked), kdim != vdim, half/bfloat16 and batch_first work.
+// masks (true = masked), kdim != vdim, half/bfloat16 and batch_first work,
+// and a float mask of lower precision than the query is widened (one mask
+// rule with the Python module: both call fusedmha::_multihead_attention_core).
 // A query whose keys are all masked gets output 0 and weights 0, not NaN.
 class FUSEDMHA_API MultiheadAttentionImpl : public torch::nn::Cloneable<MultiheadAttentionImpl> {
  public:
@@ -92,6 +95,20 @@ class FUSEDMHA_API MultiheadAttentionImpl : public torch::nn::Cloneable<Multihea
                            {7, torch::nn::AnyValue(false)})
 
  private:
+  void check_inputs(const torch::Tensor& query, const torch::Tensor& key,
+                    const torch::Tensor& value, const torch::Tensor& key_padding_mask,
+                    const torch::Tensor& attn_mask) const;
+  // Embedding dims, sequence lengths and batch sizes of the batched inputs
+  // (the originals name them in errors).
+  void check_batched_shapes(const torch::Tensor& q, const torch::Tensor& k,
+                            const torch::Tensor& v, bool seq_first, const torch::Tensor& query,
+                            const torch::Tensor& key, const torch::Tensor& value) const;
+  // attn_mask as (1, 1, L, S) or (N, H, L, S) and the (batched)
+  // key_padding_mask as (N, 1, 1, S), their shapes checked.
+  std::tuple<std::optional<torch::Tensor>, std::optional<torch::Tensor>> mask_views(
+      const torch::Tensor& attn_mask, const torch::Tensor& padding, const torch::Tensor& q,
+      const torch::Tensor& k, bool seq_first, bool batched,
+      const torch::Tensor& key_padding_mask) const;
   // q, k, v as (N, H, L, D) views of the projections.
   std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> project(const torch::Tensor& query,
                                                                   const torch::Tensor& key,
