@@ -1,14 +1,14 @@
 """fusedmha.attention_weights: the probabilities of a forward call, recomputed from its
 log-sum-exp (MultiheadAttention's need_weights), against a float64 reference; dropout
-consistent with the forward's output; gradients (gradcheck) and the op contract."""
+consistent with the forward's output; gradients (gradcheck) and the op contract. On every
+device (the `device` fixture: CUDA cases skip, with the reason, without a GPU)."""
 
 import pytest
 import torch
 
-from reference import reference_probs
+from reference import reference_probs, weights_atol
 
 OPS = torch.ops.fusedmha
-ATOL = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 1e-2}
 
 
 def forward_and_weights(q, k, v, mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -21,6 +21,7 @@ def forward_and_weights(q, k, v, mask=None, dropout_p=0.0, is_causal=False, scal
 
 CASES = {
     "plain": dict(q=(2, 3, 37, 16), k=(2, 3, 53, 16)),
+    "plain_head_dim_32": dict(q=(2, 4, 50, 32), k=(2, 4, 70, 32)),
     "causal": dict(q=(2, 3, 70, 16), k=(2, 3, 70, 16), is_causal=True),
     "causal_l_ne_s": dict(q=(1, 2, 9, 8), k=(1, 2, 140, 8), is_causal=True),
     "bool_mask": dict(q=(2, 3, 37, 16), k=(2, 3, 53, 16), mask=("bool", (2, 1, 37, 53))),
@@ -33,45 +34,46 @@ CASES = {
 }
 
 
-def make_case(case, dtype):
-    q = torch.randn(case["q"], dtype=dtype)
-    k = torch.randn(case["k"], dtype=dtype)
-    v = torch.randn(case["k"], dtype=dtype)
+def make_case(case, dtype, device):
+    q = torch.randn(case["q"], dtype=dtype, device=device)
+    k = torch.randn(case["k"], dtype=dtype, device=device)
+    v = torch.randn(case["k"], dtype=dtype, device=device)
     mask = None
     if "mask" in case:
         kind, shape = case["mask"]
         mask = torch.rand(shape) > 0.3 if kind == "bool" else torch.randn(shape, dtype=dtype)
+        mask = mask.to(device)
     kwargs = dict(is_causal=case.get("is_causal", False), scale=case.get("scale"),
                   enable_gqa=case.get("enable_gqa", False))
     return q, k, v, mask, kwargs
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("average_heads", [False, True])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_weights_match_reference(name, average_heads, dtype):
-    q, k, v, mask, kwargs = make_case(CASES[name], dtype)
+def test_weights_match_reference(name, average_heads, dtype, device):
+    q, k, v, mask, kwargs = make_case(CASES[name], dtype, device)
     _, weights = forward_and_weights(q, k, v, mask, average_heads=average_heads, **kwargs)
     ref = reference_probs(q, k, mask, **kwargs)
     if average_heads and ref.dim() > 2:
         ref = ref.mean(-3)
     assert weights.shape == ref.shape and weights.dtype == dtype
     assert weights.is_contiguous()
-    torch.testing.assert_close(weights.double(), ref, atol=ATOL[dtype], rtol=0)
+    torch.testing.assert_close(weights.double(), ref, atol=weights_atol(dtype, device), rtol=0)
 
 
-def test_fully_masked_rows_are_zero():
-    q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
-    mask = torch.ones(4, 6, dtype=torch.bool)
+def test_fully_masked_rows_are_zero(device, rand):
+    q, k, v = rand(1, 2, 4, 8), rand(1, 2, 6, 8), rand(1, 2, 6, 8)
+    mask = torch.ones(4, 6, dtype=torch.bool, device=device)
     mask[1] = False
     _, weights = forward_and_weights(q, k, v, mask)
     assert (weights[:, :, 1] == 0).all()
-    torch.testing.assert_close(weights[:, :, 0].sum(-1), torch.ones(1, 2))
+    torch.testing.assert_close(weights[:, :, 0].sum(-1), torch.ones(1, 2, device=device))
 
 
 @pytest.mark.parametrize("average_heads", [False, True])
-def test_dropout_weights_reproduce_the_output(average_heads):
-    q, k, v = (torch.randn(2, 3, 40, 8, dtype=torch.float64) for _ in range(3))
+def test_dropout_weights_reproduce_the_output(average_heads, rand):
+    q, k, v = (rand(2, 3, 40, 8, dtype=torch.float64) for _ in range(3))
     out, weights = forward_and_weights(q, k, v, dropout_p=0.3)
     torch.testing.assert_close(weights @ v, out)
     dropped = (weights == 0).double().mean().item()
@@ -93,13 +95,13 @@ GRAD_CASES = [
 
 
 @pytest.mark.parametrize("case", GRAD_CASES, ids=str)
-def test_gradcheck(case):
+def test_gradcheck(case, device):
     case = dict(case)
     kv_heads = case.pop("kv_heads", 4)
-    q = torch.randn(2, 4, 6, 5, dtype=torch.float64, requires_grad=True)
-    k = torch.randn(2, kv_heads, 7, 5, dtype=torch.float64, requires_grad=True)
-    v = torch.randn(2, kv_heads, 7, 5, dtype=torch.float64)
-    mask = torch.rand(6, 7) > 0.3 if case.pop("mask", None) else None
+    q = torch.randn(2, 4, 6, 5, dtype=torch.float64, device=device, requires_grad=True)
+    k = torch.randn(2, kv_heads, 7, 5, dtype=torch.float64, device=device, requires_grad=True)
+    v = torch.randn(2, kv_heads, 7, 5, dtype=torch.float64, device=device)
+    mask = (torch.rand(6, 7) > 0.3).to(device) if case.pop("mask", None) else None
 
     def weights_of(q, k):
         torch.manual_seed(7)  # the same dropout stream on every evaluation
@@ -108,8 +110,8 @@ def test_gradcheck(case):
     assert torch.autograd.gradcheck(weights_of, (q, k))
 
 
-def test_opcheck():
-    q, k, v = torch.randn(2, 3, 9, 8), torch.randn(2, 3, 11, 8), torch.randn(2, 3, 11, 8)
+def test_opcheck(rand):
+    q, k, v = rand(2, 3, 9, 8), rand(2, 3, 11, 8), rand(2, 3, 11, 8)
     q.requires_grad_()
     _, lse, rng = OPS.attention_forward(q, k, v, None, 0.2, True)
     torch.library.opcheck(OPS.attention_weights.default,

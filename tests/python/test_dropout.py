@@ -1,5 +1,6 @@
 """In-kernel dropout: the same mask in forward and backward, reproducible from the seed, and
-the expected statistics."""
+the expected statistics, on every device (the `device` fixture: CUDA cases skip, with the
+reason, without a GPU)."""
 
 import math
 
@@ -7,38 +8,20 @@ import pytest
 import torch
 
 import fusedmha
-from reference import reference_attention
+from reference import kernel_keep_mask, reference_attention
 
 sdpa = fusedmha.scaled_dot_product_attention
 
 
-def keep_mask(rng, q, k, p):
-    """The kernels' keep-mask of a call, shaped (..., H, L, S) like the scores."""
-    outer = q.shape[:-2]
-    mask = torch.ops.fusedmha._dropout_keep_mask(rng, math.prod(outer), q.size(-2), k.size(-2), p)
-    return mask.view(*outer, q.size(-2), k.size(-2))
-
-
-def reference_with_dropout(q, k, v, keep, p, **kwargs):
-    """Float64 attention whose probabilities are multiplied by keep / (1 - p)."""
-    q, k, v = q.double(), k.double(), v.double()
-    scale = kwargs.get("scale") or 1.0 / math.sqrt(q.size(-1))
-    scores = (q @ k.transpose(-1, -2)) * scale
-    if kwargs.get("is_causal"):
-        scores = scores.masked_fill(~torch.ones(q.size(-2), k.size(-2), dtype=torch.bool).tril(), float("-inf"))
-    probs = torch.softmax(scores, dim=-1) * keep / (1 - p)
-    return probs @ v
-
-
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
-def test_forward_and_backward_match_reference_with_same_mask(is_causal, dtype):
+def test_forward_and_backward_match_reference_with_same_mask(is_causal, dtype, device):
     p = 0.3
-    q, k, v = (torch.randn(2, 3, 37, 16, dtype=dtype, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(2, 3, 37, 16, dtype=dtype, device=device, requires_grad=True) for _ in range(3))
     out, lse, rng = torch.ops.fusedmha.attention_forward(q, k, v, dropout_p=p, is_causal=is_causal)
-    keep = keep_mask(rng, q, k, p)
+    keep = kernel_keep_mask(rng, q, k, p)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref = reference_with_dropout(q64, k64, v64, keep, p, is_causal=is_causal)
+    ref = reference_attention(q64, k64, v64, is_causal=is_causal, keep=keep, dropout_p=p)
     tol = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 3e-2}[dtype]
     torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
 
@@ -49,25 +32,25 @@ def test_forward_and_backward_match_reference_with_same_mask(is_causal, dtype):
         torch.testing.assert_close(g.double(), r, rtol=tol * 5, atol=tol * 5)
 
 
-def test_dropped_fraction_matches_p():
+def test_dropped_fraction_matches_p(rand):
     for p in (0.1, 0.5, 0.9):
-        q = torch.randn(4, 8, 64, 16)
+        q = rand(4, 8, 64, 16)
         _, _, rng = torch.ops.fusedmha.attention_forward(q, q, q, dropout_p=p)
-        keep = keep_mask(rng, q, q, p)
+        keep = kernel_keep_mask(rng, q, q, p)
         n = keep.numel()
         dropped = 1 - keep.float().mean().item()
         assert abs(dropped - p) < 5 * math.sqrt(p * (1 - p) / n), (p, dropped)
 
 
-def test_expectation_is_undropped_attention():
+def test_expectation_is_undropped_attention(rand):
     # Averaged over many masks, dropout leaves the output unchanged in expectation.
-    q, k, v = torch.randn(1, 1, 4, 8), torch.randn(1, 1, 6, 8), torch.randn(1, 1, 6, 8)
+    q, k, v = rand(1, 1, 4, 8), rand(1, 1, 6, 8), rand(1, 1, 6, 8)
     mean = torch.stack([sdpa(q, k, v, dropout_p=0.5) for _ in range(4000)]).mean(0)
     torch.testing.assert_close(mean, sdpa(q, k, v), rtol=0.1, atol=0.1)
 
 
-def test_same_seed_same_output_different_seed_different():
-    q, k, v = torch.randn(2, 3, 20, 16), torch.randn(2, 3, 20, 16), torch.randn(2, 3, 20, 16)
+def test_same_seed_same_output_different_seed_different(rand):
+    q, k, v = rand(2, 3, 20, 16), rand(2, 3, 20, 16), rand(2, 3, 20, 16)
     torch.manual_seed(7)
     a = sdpa(q, k, v, dropout_p=0.2)
     b = sdpa(q, k, v, dropout_p=0.2)
@@ -77,13 +60,13 @@ def test_same_seed_same_output_different_seed_different():
     assert not torch.equal(a, b)
 
 
-def test_zero_dropout_is_bit_identical():
-    q, k, v = torch.randn(2, 3, 20, 16), torch.randn(2, 3, 20, 16), torch.randn(2, 3, 20, 16)
+def test_zero_dropout_is_bit_identical(rand):
+    q, k, v = rand(2, 3, 20, 16), rand(2, 3, 20, 16), rand(2, 3, 20, 16)
     assert torch.equal(sdpa(q, k, v, dropout_p=0.0), sdpa(q, k, v))
 
 
-def test_gradcheck_with_dropout_fixed_seed():
-    q, k, v = (torch.randn(1, 2, 5, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+def test_gradcheck_with_dropout_fixed_seed(device):
+    q, k, v = (torch.randn(1, 2, 5, 4, dtype=torch.float64, device=device, requires_grad=True) for _ in range(3))
 
     def f(a, b, c):
         torch.manual_seed(3)  # the same mask on every evaluation
@@ -92,14 +75,12 @@ def test_gradcheck_with_dropout_fixed_seed():
     assert torch.autograd.gradcheck(f, (q, k, v))
 
 
-def test_dropout_with_mask_and_gqa():
+def test_dropout_with_mask_and_gqa(device):
     p = 0.25
-    q = torch.randn(2, 4, 9, 8, requires_grad=True)
-    k, v = torch.randn(2, 2, 11, 8), torch.randn(2, 2, 11, 8)
-    mask = torch.rand(9, 11) > 0.3
+    q = torch.randn(2, 4, 9, 8, requires_grad=True).to(device)
+    k, v = torch.randn(2, 2, 11, 8).to(device), torch.randn(2, 2, 11, 8).to(device)
+    mask = (torch.rand(9, 11) > 0.3).to(device)
     out, _, rng = torch.ops.fusedmha.attention_forward(q, k, v, mask, p, enable_gqa=True)
-    keep = keep_mask(rng, q, k, p)
-    kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
-    scores = (q.double() @ kk.double().transpose(-1, -2)) / math.sqrt(8)
-    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) * keep / (1 - p)
-    torch.testing.assert_close(out.double(), probs @ vv.double(), rtol=2e-5, atol=2e-5)
+    keep = kernel_keep_mask(rng, q, k, p)
+    ref = reference_attention(q, k, v, attn_mask=mask, enable_gqa=True, keep=keep, dropout_p=p)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=2e-5)

@@ -16,27 +16,17 @@ import torch
 from torch import nn
 
 import fusedmha
+import mha_inputs
 
 E, H, N, L, S = 8, 2, 3, 4, 5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_pair(*args, **kwargs):
-    ref = nn.MultiheadAttention(*args, **kwargs)
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            if "bias" in name:
-                p.copy_(torch.randn_like(p))
-    mod = fusedmha.MultiheadAttention(*args, **kwargs)
-    mod.load_state_dict(ref.state_dict())
-    return ref, mod
+    """PyTorch's module and the fused one with the same parameters (biases drawn with std 1)."""
+    return mha_inputs.make_pair(*args, bias_std=1.0, **kwargs)
 
 
 def torch_outcome(fn):

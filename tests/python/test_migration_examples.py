@@ -4,17 +4,12 @@ tutorial attention class matches the corrected float64 reference with the same w
 describes is really there in the tutorial class."""
 
 import math
-import os
-import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(_ROOT, "examples", "python"))
-
-import migrate_tutorial_attention as mig  # noqa: E402
+import migrate_tutorial_attention as mig  # examples/python: on sys.path through pytest's pythonpath
+from reference import kernel_keep_mask, leaves, params64, reference_mha
 
 N, E, H = 2, 16, 4  # batch, embedding, heads (head_dim 4)
 L, S = 7, 9  # query length, context length
@@ -36,10 +31,6 @@ def randomize_(module, std=0.5):
     for p in module.parameters():
         p.copy_(torch.randn_like(p) * std)
     return module
-
-
-def leaves(dtype, *tensors):
-    return [t.detach().to(dtype).requires_grad_() for t in tensors]
 
 
 def run(module, inputs, kwargs, grad_out):
@@ -94,10 +85,10 @@ def shape1_data(case):
 def shape1_run(module, dtype, data, grad_out):
     values, keys, query, mask, is_causal = data
     if values is query:
-        (x,) = leaves(dtype, query)
+        (x,) = leaves(query, dtype=dtype)
         inputs = (x, x, x)
     else:
-        inputs = tuple(leaves(dtype, values, keys, query))
+        inputs = tuple(leaves(values, keys, query, dtype=dtype))
     return run(module, (*inputs, mask), dict(is_causal=is_causal), grad_out)
 
 
@@ -119,19 +110,13 @@ def test_shape1_shared_projection_port_matches_reference(dtype, case):
 
 
 def full_projection_reference(mha, values, keys, query, attend, is_causal):
-    """nn.MultiheadAttention's math in plain float64, on leaf copies of ``mha``'s parameters
-    (fused port's recommended form): full E x E projections, then attention per head."""
-    params = {n: p.detach().double().requires_grad_() for n, p in mha.named_parameters()}
-    w_q, w_k, w_v = params["in_proj_weight"].chunk(3)
-    b_q, b_k, b_v = params["in_proj_bias"].chunk(3)
-    heads = lambda t: t.unflatten(-1, (H, E // H)).transpose(1, 2)  # noqa: E731
-    q, k, v = heads(F.linear(query, w_q, b_q)), heads(F.linear(keys, w_k, b_k)), heads(F.linear(values, w_v, b_v))
-    if is_causal:
-        tril = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool).tril()
-        attend = tril if attend is None else attend & tril
-    probs = mig.masked_softmax(q @ k.transpose(-1, -2) / math.sqrt(E // H), attend)
-    out = (probs @ v).transpose(1, 2).flatten(2)
-    return F.linear(out, params["out_proj.weight"], params["out_proj.bias"]), params
+    """nn.MultiheadAttention's math in plain float64 (reference.reference_mha), on leaf copies
+    of ``mha``'s parameters (fused port's recommended form): full E x E projections, then
+    attention per head."""
+    params = params64(mha)
+    out, _ = reference_mha(mha, query, keys, values, attn_mask=None if attend is None else ~attend,
+                           is_causal=is_causal, need_weights=False, params=params)
+    return out, params
 
 
 @pytest.mark.parametrize("case", ["self", "causal_mask_tensor", "causal_flag_padding",
@@ -261,8 +246,8 @@ def test_shape2_port_matches_reference(dtype, masked, norm_first):
     mask = padding_attend().long() if masked else None  # 1 = token, 0 = padding
     x = torch.randn(N, S, E)
     grad_out = torch.randn(N, S, E, dtype=torch.float64)
-    out, in_grads, p_grads = run(port, (*leaves(dtype, x), mask), {}, grad_out)
-    ref_out, ref_in_grads, ref_p_grads = run(ref, (*leaves(torch.float64, x), mask), {}, grad_out)
+    out, in_grads, p_grads = run(port, (*leaves(x, dtype=dtype), mask), {}, grad_out)
+    ref_out, ref_in_grads, ref_p_grads = run(ref, (*leaves(x, dtype=torch.float64), mask), {}, grad_out)
     torch.testing.assert_close(out.double(), ref_out, **tol(dtype))
     assert_all_close(in_grads, ref_in_grads, grad_tol(dtype))
     assert p_grads.keys() == ref_p_grads.keys() == dict(old.named_parameters()).keys()
@@ -315,8 +300,8 @@ def test_shape3_port_matches_reference(dtype, masked, attention):
 
     def inputs(dt):
         if attention == "self":
-            return (*leaves(dt, x), None, mask)
-        return (*leaves(dt, x, context), mask)
+            return (*leaves(x, dtype=dt), None, mask)
+        return (*leaves(x, context, dtype=dt), mask)
 
     out, in_grads, p_grads = run(port, inputs(dtype), {}, grad_out)
     ref_out, ref_in_grads, ref_p_grads = run(ref, inputs(torch.float64), {}, grad_out)
@@ -459,15 +444,14 @@ class FixedDropout(torch.nn.Module):
         return probs * self.keep / (1 - self.p)
 
 
-def kernel_keep_mask(seed, n, length, s_len, p):
+def keep_mask_drawn_after(seed, n, length, s_len, p):
     """The keep-mask fusedmha's kernel draws for one call with dropout p made right after
     torch.manual_seed(seed), on (n, H, length, head_dim) queries and s_len keys: it depends on
     the generator's state and the shapes only."""
     torch.manual_seed(seed)
     q, k = torch.zeros(n, H, length, E // H), torch.zeros(n, H, s_len, E // H)
     _, _, rng = torch.ops.fusedmha.attention_forward(q, k, k, None, p, False)
-    keep = torch.ops.fusedmha._dropout_keep_mask(rng, n * H, length, s_len, p)
-    return keep.view(n, H, length, s_len).double()
+    return kernel_keep_mask(rng, q, k, p).double()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -482,25 +466,25 @@ def test_training_mode_matches_reference_with_the_kernels_dropout_mask(port, dty
         cls = mig.FusedSharedProjectionAttention if port == "shape1_shared" else mig.FusedMultiHeadAttention
         module = cls.from_original(old, dropout=p)
         ref = mig.ReferenceMultiHeadAttention.from_original(old, dropout=p)
-        ref.attn_dropout = FixedDropout(kernel_keep_mask(seed, N, L, S, p), p)
+        ref.attn_dropout = FixedDropout(keep_mask_drawn_after(seed, N, L, S, p), p)
         values, keys, query = torch.randn(N, S, E), torch.randn(N, S, E), torch.randn(N, L, E)
-        inputs = lambda dt: (*leaves(dt, values, keys, query), src_mask)  # noqa: E731
+        inputs = lambda dt: (*leaves(values, keys, query, dtype=dt), src_mask)  # noqa: E731
         out_len = L
     elif port == "shape2":
         old = randomize_(mig.TutorialSelfAttention(H, E, E, 0.0))
         module = mig.FusedSelfAttention.from_original(old, attention_probs_dropout_prob=p)
         ref = mig.ReferenceSelfAttention.from_original(old, attention_probs_dropout_prob=p)
-        ref.attn_dropout = FixedDropout(kernel_keep_mask(seed, N, S, S, p), p)
+        ref.attn_dropout = FixedDropout(keep_mask_drawn_after(seed, N, S, S, p), p)
         x = torch.randn(N, S, E)
-        inputs = lambda dt: (*leaves(dt, x), padding_attend().long())  # noqa: E731
+        inputs = lambda dt: (*leaves(x, dtype=dt), padding_attend().long())  # noqa: E731
         out_len = S
     else:
         old = randomize_(mig.TutorialMultiHeadedAttention(E, H, dropout=p))
         module = mig.FusedMultiHeadedAttention.from_original(old)
         ref = mig.ReferenceMultiHeadedAttention.from_original(old)
-        ref.dropout = FixedDropout(kernel_keep_mask(seed, N, L, S, p), p)
+        ref.dropout = FixedDropout(keep_mask_drawn_after(seed, N, L, S, p), p)
         x, context = torch.randn(N, L, E), torch.randn(N, S, E)
-        inputs = lambda dt: (*leaves(dt, x, context), padding_attend().long())  # noqa: E731
+        inputs = lambda dt: (*leaves(x, context, dtype=dt), padding_attend().long())  # noqa: E731
         out_len = L
     module, ref = module.to(dtype).train(), ref.double().train()
     grad_out = torch.randn(N, out_len, E, dtype=torch.float64)

@@ -1,24 +1,20 @@
-"""fusedmha.scaled_dot_product_attention against a float64 reference and PyTorch's SDPA."""
-
-import itertools
+"""fusedmha.scaled_dot_product_attention against a float64 reference and PyTorch's SDPA, on
+every device (the `device` fixture: CUDA cases skip, with the reason, without a GPU)."""
 
 import pytest
 import torch
 
 import fusedmha
-from reference import assert_attention_close
+from devices import on_devices
+from reference import assert_attention_close, assert_close_to_truth, reference_attention, reference_logsumexp
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 sdpa = fusedmha.scaled_dot_product_attention
 
 
-def rand(*shape, dtype=torch.float32):
-    return torch.randn(*shape, dtype=dtype)
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("E,Ev", [(1, 1), (7, 7), (16, 5), (64, 64), (80, 80), (128, 128), (256, 256), (33, 65)])
-def test_head_dims(dtype, E, Ev):
+def test_head_dims(dtype, E, Ev, rand):
     q, k, v = rand(2, 3, 37, E, dtype=dtype), rand(2, 3, 45, E, dtype=dtype), rand(2, 3, 45, Ev, dtype=dtype)
     assert_attention_close(sdpa(q, k, v), q, k, v)
 
@@ -26,31 +22,44 @@ def test_head_dims(dtype, E, Ev):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("L,S", [(1, 1), (1, 37), (37, 1), (64, 64), (100, 300), (300, 100), (257, 513)])
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_lengths(dtype, L, S, is_causal):
+def test_lengths(dtype, L, S, is_causal, rand):
     q, k, v = rand(2, 2, L, 32, dtype=dtype), rand(2, 2, S, 32, dtype=dtype), rand(2, 2, S, 32, dtype=dtype)
     assert_attention_close(sdpa(q, k, v, is_causal=is_causal), q, k, v, is_causal=is_causal)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("device,L,S", on_devices(
+    [(1, 1), (1, 300), (300, 1), (64, 64), (65, 63), (128, 1000), (1000, 128)],
+    cuda_only=[(2048, 2048), (8192, 8192)]))
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_half_precision_lengths_across_tiles(dtype, L, S, is_causal, rand):
+    """Half precision at lengths on both sides of the CUDA kernels' 64-row and 64-key tiles,
+    head dim 64 (2048² and 8192² on CUDA only: too slow for the CPU suite)."""
+    B, H = (1, 2) if L * S > 1e7 else (2, 3)
+    q, k, v = rand(B, H, L, 64, dtype=dtype), rand(B, H, S, 64, dtype=dtype), rand(B, H, S, 64, dtype=dtype)
+    assert_attention_close(sdpa(q, k, v, is_causal=is_causal), q, k, v, is_causal=is_causal)
+
+
 @pytest.mark.parametrize("batch", [(), (3,), (2, 3)], ids=str)
-def test_batch_dims(batch):
+def test_batch_dims(batch, rand):
     q, k, v = rand(*batch, 4, 19, 16), rand(*batch, 4, 23, 16), rand(*batch, 4, 23, 8)
     out = sdpa(q, k, v)
     assert out.shape == (*batch, 4, 19, 8)
     assert_attention_close(out, q, k, v)
 
 
-def test_two_dim_inputs():
+def test_two_dim_inputs(rand):
     q, k, v = rand(19, 16), rand(23, 16), rand(23, 8)
     assert_attention_close(sdpa(q, k, v), q, k, v)
 
 
-def test_zero_size_batch():
+def test_zero_size_batch(rand):
     q, k, v = rand(0, 4, 19, 16), rand(0, 4, 23, 16), rand(0, 4, 23, 8)
     out = sdpa(q, k, v)
     assert out.shape == (0, 4, 19, 8)
 
 
-def test_empty_keys_give_zero():
+def test_empty_keys_give_zero(rand):
     q, k, v = rand(2, 4, 19, 16), rand(2, 4, 0, 16), rand(2, 4, 0, 8)
     out = sdpa(q, k, v)
     assert out.shape == (2, 4, 19, 8)
@@ -63,23 +72,59 @@ MASK_SHAPES = [(19, 23), (1, 23), (19, 1), (4, 19, 23), (2, 1, 19, 23), (2, 4, 1
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("mask_shape", MASK_SHAPES, ids=str)
 @pytest.mark.parametrize("kind", ["bool", "float", "float32"])
-def test_masks(dtype, mask_shape, kind):
+def test_masks(dtype, mask_shape, kind, device, rand):
     q, k, v = rand(2, 4, 19, 16, dtype=dtype), rand(2, 4, 23, 16, dtype=dtype), rand(2, 4, 23, 8, dtype=dtype)
     if kind == "bool":
         mask = torch.rand(mask_shape) > 0.3
     else:
         mask = torch.randn(mask_shape, dtype=dtype if kind == "float" else torch.float32)
         mask = mask.masked_fill(torch.rand(mask_shape) < 0.2, float("-inf"))
+    mask = mask.to(device)
     assert_attention_close(sdpa(q, k, v, attn_mask=mask), q, k, v, attn_mask=mask)
 
 
+def masks_over_tiles(L, S, dtype, device):
+    """Masks of every kind for (2, 3, L, S) scores; in the full and broadcast bool masks, query
+    row 0 has nothing to attend to."""
+    g = torch.Generator(device="cpu").manual_seed(1)
+    keep = torch.rand(2, 3, L, S, generator=g) > 0.3
+    keep[..., 0, :] = False  # a row with nothing to attend to
+    return {
+        "bool_full": keep.to(device),
+        "bool_broadcast": keep[:1, :1].to(device),
+        "bool_key_padding": keep[:, :1, :1].to(device),
+        "float_full": torch.randn(2, 3, L, S, generator=g).to(device, dtype),
+        "float_row": torch.randn(S, generator=g).to(device, dtype),
+        "float32_for_half": torch.randn(1, 3, L, S, generator=g).to(device),
+    }
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", ["bool_full", "bool_broadcast", "bool_key_padding", "float_full", "float_row",
+                                  "float32_for_half"])
+def test_masks_over_several_tiles(dtype, kind, device, rand):
+    """Masks over 70 x 130 scores (several of the CUDA kernels' tiles both ways), against the
+    float64 truth alone (the dtype's floor)."""
+    L, S = 70, 130
+    q, k, v = rand(2, 3, L, 64, dtype=dtype), rand(2, 3, S, 64, dtype=dtype), rand(2, 3, S, 64, dtype=dtype)
+    mask = masks_over_tiles(L, S, dtype, device)[kind]
+    if kind == "float32_for_half" and dtype in (torch.float32, torch.float64):
+        pytest.skip("float32 masks with full-precision queries are the float_full case")
+    out = sdpa(q, k, v, attn_mask=mask)
+    assert_close_to_truth(out, reference_attention(q, k, v, attn_mask=mask))
+    if kind in ("bool_full", "bool_broadcast"):
+        assert (out[..., 0, :] == 0).all()  # the row with nothing to attend to
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("kind", ["bool", "float"])
-def test_fully_masked_rows_are_zero(kind):
-    q, k, v = rand(2, 4, 19, 16), rand(2, 4, 23, 16), rand(2, 4, 23, 8)
+def test_fully_masked_rows_are_zero(kind, dtype, device, rand):
+    q, k, v = rand(2, 4, 19, 16, dtype=dtype), rand(2, 4, 23, 16, dtype=dtype), rand(2, 4, 23, 8, dtype=dtype)
     allowed = torch.rand(2, 4, 19, 23) > 0.3
     allowed[:, :, 5] = False  # row 5 attends to nothing
     allowed[1, 2, :] = False  # one whole head attends to nothing
-    mask = allowed if kind == "bool" else torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+    mask = allowed if kind == "bool" else torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, float("-inf"))
+    mask = mask.to(device)
     out = sdpa(q, k, v, attn_mask=mask)
     assert torch.equal(out[:, :, 5], torch.zeros_like(out[:, :, 5]))
     assert torch.equal(out[1, 2], torch.zeros_like(out[1, 2]))
@@ -88,37 +133,54 @@ def test_fully_masked_rows_are_zero(kind):
     assert torch.isinf(lse[:, :, 5]).all() and (lse[:, :, 5] > 0).all()
 
 
-def test_mask_is_not_expanded_in_memory():
+def test_mask_is_not_expanded_in_memory(device, rand):
     # A (L, S) mask expanded to a huge batch is read through stride-0 dims.
     q, k, v = rand(64, 2, 19, 16), rand(64, 2, 23, 16), rand(64, 2, 23, 8)
-    mask = (torch.rand(19, 23) > 0.5).expand(64, 2, 19, 23)
+    mask = (torch.rand(19, 23) > 0.5).to(device).expand(64, 2, 19, 23)
     assert mask.stride()[:2] == (0, 0)
     assert_attention_close(sdpa(q, k, v, attn_mask=mask), q, k, v, attn_mask=mask)
 
 
-def test_mask_strided_columns():
+def test_mask_strided_columns(rand):
     q, k, v = rand(2, 4, 19, 16), rand(2, 4, 23, 16), rand(2, 4, 23, 8)
-    mask = torch.randn(2, 4, 23, 19).transpose(-1, -2)  # column stride 19
+    mask = rand(2, 4, 23, 19).transpose(-1, -2)  # column stride 19
     assert_attention_close(sdpa(q, k, v, attn_mask=mask), q, k, v, attn_mask=mask)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("hq,hk", [(8, 1), (8, 2), (6, 3), (4, 4)])
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_gqa(dtype, hq, hk, is_causal):
+def test_gqa(dtype, hq, hk, is_causal, rand):
     q, k, v = rand(2, hq, 33, 16, dtype=dtype), rand(2, hk, 41, 16, dtype=dtype), rand(2, hk, 41, 16, dtype=dtype)
     out = sdpa(q, k, v, is_causal=is_causal, enable_gqa=True)
     assert_attention_close(out, q, k, v, is_causal=is_causal, enable_gqa=True)
 
 
-def test_gqa_with_mask():
+def test_gqa_with_mask(device, rand):
     q, k, v = rand(2, 8, 33, 16), rand(2, 2, 41, 16), rand(2, 2, 41, 16)
-    mask = torch.rand(8, 33, 41) > 0.4
+    mask = (torch.rand(8, 33, 41) > 0.4).to(device)
     out = sdpa(q, k, v, attn_mask=mask, enable_gqa=True)
     assert_attention_close(out, q, k, v, attn_mask=mask, enable_gqa=True)
 
 
-def test_broadcast_batch_and_heads():
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_gqa_causal_on_strided_and_misaligned_inputs(dtype, rand):
+    B, L, H, Hkv, E = 2, 100, 8, 2, 64
+    # (B, L, H, E) projections viewed as (B, H, L, E): rows interleaved with heads.
+    q = rand(B, L, H, E, dtype=dtype).transpose(1, 2)
+    k = rand(B, L, Hkv, E, dtype=dtype).transpose(1, 2)
+    v = rand(B, L, Hkv, E, dtype=dtype).transpose(1, 2)
+    out = sdpa(q, k, v, enable_gqa=True, is_causal=True)
+    assert_close_to_truth(out, reference_attention(q, k, v, is_causal=True, enable_gqa=True))
+    # Odd offsets (not 16-byte aligned) and non-contiguous last dims are copied, not misread.
+    base = rand(B, H, L, E + 1, dtype=dtype)
+    q2 = base[..., 1:]
+    k2 = rand(B, H, E, L, dtype=dtype).transpose(-1, -2)
+    out = sdpa(q2, k2, k2)
+    assert_close_to_truth(out, reference_attention(q2, k2, k2))
+
+
+def test_broadcast_batch_and_heads(rand):
     # PyTorch's SDPA broadcasts batch and head dims of size 1 (like matmul).
     q, k, v = rand(2, 3, 19, 16), rand(1, 1, 23, 16), rand(2, 1, 23, 8)
     assert_attention_close(sdpa(q, k, v), q, k, v)
@@ -126,7 +188,7 @@ def test_broadcast_batch_and_heads():
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_transposed_inputs_are_read_in_place(dtype, is_causal):
+def test_transposed_inputs_are_read_in_place(dtype, is_causal, rand):
     # (B, L, H, E) projections viewed as (B, H, L, E): the usual MHA layout.
     B, H, L, S, E = 2, 4, 37, 29, 16
     q = rand(B, L, H, E, dtype=dtype).transpose(1, 2)
@@ -137,7 +199,7 @@ def test_transposed_inputs_are_read_in_place(dtype, is_causal):
     assert_attention_close(out, q, k, v, is_causal=is_causal)
 
 
-def test_sliced_and_non_contiguous_last_dim():
+def test_sliced_and_non_contiguous_last_dim(rand):
     base = rand(2, 4, 40, 48)
     q = base[:, :, 3:22, 8:24]  # row stride 48, offset
     k = rand(2, 4, 16, 23).transpose(-1, -2)  # last dim not contiguous: copied once
@@ -150,8 +212,10 @@ def test_sliced_and_non_contiguous_last_dim():
 def test_output_layout_matches_pytorch(Ev, q_layout):
     # Like PyTorch, the output follows the query's layout: a (B, L, H, E) query viewed as
     # (B, H, L, E) gives (B, L, H, Ev) memory, so merging heads afterwards is a view.
-    q = rand(2, 4, 19, 16) if q_layout == "contiguous" else rand(2, 19, 4, 16).transpose(1, 2)
-    k, v = rand(2, 4, 23, 16), rand(2, 4, 23, Ev)
+    # (CPU only: PyTorch's CUDA kernels give (B, L, H, Ev) memory for any query; the CUDA
+    # twin is test_cuda_only.test_output_layout_follows_query.)
+    q = torch.randn(2, 4, 19, 16) if q_layout == "contiguous" else torch.randn(2, 19, 4, 16).transpose(1, 2)
+    k, v = torch.randn(2, 4, 23, 16), torch.randn(2, 4, 23, Ev)
     out = sdpa(q, k, v)
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v)
     assert out.shape == ref.shape
@@ -161,17 +225,17 @@ def test_output_layout_matches_pytorch(Ev, q_layout):
 
 
 @pytest.mark.parametrize("scale", [0.0, 0.05, 1.0, 3.7])
-def test_scale(scale):
+def test_scale(scale, rand):
     q, k, v = rand(2, 4, 19, 16), rand(2, 4, 23, 16), rand(2, 4, 23, 8)
     assert_attention_close(sdpa(q, k, v, scale=scale), q, k, v, scale=scale)
 
 
-def test_long_keys():
+def test_long_keys(rand):
     q, k, v = rand(1, 1, 4, 32), rand(1, 1, 20000, 32), rand(1, 1, 20000, 32)
     assert_attention_close(sdpa(q, k, v), q, k, v)
 
 
-def test_large_scores_are_stable():
+def test_large_scores_are_stable(rand):
     # Scores of ~±1000 overflow a naive exp; the running max keeps them finite.
     q, k, v = rand(1, 2, 33, 16) * 30, rand(1, 2, 300, 16) * 30, rand(1, 2, 300, 16)
     out = sdpa(q, k, v)
@@ -179,24 +243,23 @@ def test_large_scores_are_stable():
     assert_attention_close(out, q, k, v)
 
 
-def test_matches_pytorch_positional_and_keyword_calls():
+def test_matches_pytorch_positional_and_keyword_calls(device, rand):
     q, k, v = rand(2, 4, 19, 16), rand(2, 4, 23, 16), rand(2, 4, 23, 8)
-    mask = torch.rand(19, 23) > 0.2
+    mask = (torch.rand(19, 23) > 0.2).to(device)
     a = sdpa(q, k, v, mask, 0.0, False, scale=0.3)
     b = sdpa(query=q, key=k, value=v, attn_mask=mask, dropout_p=0.0, is_causal=False, scale=0.3)
     assert torch.equal(a, b)
 
 
-def test_cpp_op_and_functional_agree():
+def test_cpp_op_and_functional_agree(rand):
     q, k, v = rand(2, 4, 19, 16), rand(2, 4, 23, 16), rand(2, 4, 23, 8)
     out, lse, _ = torch.ops.fusedmha.attention_forward(q, k, v)
     assert torch.equal(out, sdpa(q, k, v))
     assert lse.shape == (2, 4, 19) and lse.dtype == torch.float32
-    ref_lse = torch.logsumexp((q.double() @ k.double().transpose(-1, -2)) / 4.0, dim=-1)
-    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), reference_logsumexp(q, k), rtol=1e-5, atol=1e-5)
 
 
-def test_inference_mode_and_no_grad():
+def test_inference_mode_and_no_grad(rand):
     q, k, v = rand(2, 4, 19, 16), rand(2, 4, 23, 16), rand(2, 4, 23, 8)
     with torch.inference_mode():
         a = sdpa(q, k, v)
@@ -207,7 +270,7 @@ def test_inference_mode_and_no_grad():
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_thread_count_does_not_change_result(threads):
-    q, k, v = rand(1, 1, 300, 64), rand(1, 1, 300, 64), rand(1, 1, 300, 64)
+    q, k, v = torch.randn(1, 1, 300, 64), torch.randn(1, 1, 300, 64), torch.randn(1, 1, 300, 64)
     old = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
@@ -218,7 +281,7 @@ def test_thread_count_does_not_change_result(threads):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_nan_propagates_like_exact_softmax(dtype):
+def test_nan_propagates_like_exact_softmax(dtype, rand):
     q, k, v = rand(1, 2, 9, 16, dtype=dtype), rand(1, 2, 300, 16, dtype=dtype), rand(1, 2, 300, 16, dtype=dtype)
     q[0, 0, 3, 5] = float("nan")  # one query row
     k[0, 1, 200, 0] = float("nan")  # one key: every query of head 1 sees it
@@ -231,9 +294,9 @@ def test_nan_propagates_like_exact_softmax(dtype):
     assert not out[0, 0, rows][:, [0, 1, 3]].isnan().any()
 
 
-def test_positive_infinite_mask_gives_nan_row():
+def test_positive_infinite_mask_gives_nan_row(device, rand):
     q, k, v = rand(1, 1, 4, 8), rand(1, 1, 6, 8), rand(1, 1, 6, 8)
-    mask = torch.zeros(4, 6)
+    mask = torch.zeros(4, 6, device=device)
     mask[1, 2] = float("inf")
     out = sdpa(q, k, v, attn_mask=mask)
     assert out[0, 0, 1].isnan().all() and not out[0, 0, [0, 2, 3]].isnan().any()
