@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one prepared run on a GPU machine (the device tool's lent GPU): builds
 # the package with CUDA kernels into a scratch target against the torch
-# installed there, runs the CUDA tests (tests/python/test_cuda.py), then the
+# installed there, runs the CUDA tests (every pytest case marked cuda), then the
 # GPU benchmark, within a time budget. Writes log.txt, pytest.xml and
 # bench.md (row by row, so a run cut short keeps what it measured) to $OUT.
 #
@@ -55,7 +55,7 @@ main() {
   [ -z "$full" ] && select=(-k "not 8192")
   # Launch errors surface at the kernel that caused them; 150 s stay for the benchmark.
   (cd tests/python && CUDA_LAUNCH_BLOCKING=1 timeout $(( $(left) - 150 )) "$python" -m pytest -q -rs \
-    -p no:cacheprovider --junitxml="$OUT/pytest.xml" test_cuda.py ${select[@]+"${select[@]}"})
+    -p no:cacheprovider --junitxml="$OUT/pytest.xml" -m cuda . ${select[@]+"${select[@]}"})
   local tests_rc=$?
 
   echo "== benchmark ($(left) s left)"

@@ -49,13 +49,16 @@ std::optional<Tensor> pad_keys(const std::optional<Tensor>& mask, int64_t extra)
 }
 
 // A module mask (bool true = masked) as a float term added to the scores,
-// in dtype or float32 (the op takes both).
+// in dtype, or left in float32 for a half-precision dtype (the op takes
+// both, and float32 keeps more of the mask).
 Tensor additive(const Tensor& mask, at::ScalarType dtype) {
   if (mask.scalar_type() == at::kBool) {
     return at::zeros_symint(mask.sym_sizes(), mask.options().dtype(dtype))
         .masked_fill_(mask, -std::numeric_limits<double>::infinity());
   }
-  return mask.scalar_type() == dtype || mask.scalar_type() == at::kFloat ? mask : mask.to(dtype);
+  const bool half = dtype == at::kHalf || dtype == at::kBFloat16;
+  return mask.scalar_type() == dtype || (half && mask.scalar_type() == at::kFloat) ? mask
+                                                                                   : mask.to(dtype);
 }
 
 // The module's masks (bool true = masked, float added) as the one mask the

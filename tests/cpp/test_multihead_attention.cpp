@@ -6,6 +6,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <fstream>
+#include <map>
 #include <sstream>
 #include <string>
 
@@ -259,4 +261,166 @@ TEST(MultiheadAttention, BadInputsGiveClearErrors) {
                "3-D attn_mask");
   expect_error([&] { mha->forward(x, x, x, torch::zeros({kN, kL}, torch::kLong)); },
                "only bool and floating types of key_padding_mask");
+}
+
+namespace {
+
+// One row of tests/data/mha_cases.txt (its header says what the columns mean).
+struct SharedCase {
+  std::string name, inputs, attn_mask, key_padding_mask;
+  std::map<std::string, int64_t> flags;
+  int64_t operator[](const std::string& flag) const { return flags.at(flag); }
+};
+
+std::vector<SharedCase> read_shared_cases() {
+  std::ifstream file(FUSEDMHA_TEST_DATA_DIR "/mha_cases.txt");
+  EXPECT_TRUE(file.good()) << "cannot read " FUSEDMHA_TEST_DATA_DIR "/mha_cases.txt";
+  const std::vector<std::string> flags{"batch_first", "batched", "need_weights", "average",
+                                       "is_causal", "bias", "add_bias_kv", "add_zero_attn",
+                                       "kdim", "vdim"};
+  std::vector<SharedCase> cases;
+  std::string line;
+  while (std::getline(file, line)) {
+    if (line.empty() || line[0] == '#') continue;
+    std::istringstream row(line);
+    SharedCase c;
+    int64_t batch_first, batched;
+    row >> c.name >> batch_first >> batched >> c.inputs >> c.attn_mask >> c.key_padding_mask;
+    c.flags["batch_first"] = batch_first;
+    c.flags["batched"] = batched;
+    for (size_t i = 2; i < flags.size(); ++i) row >> c.flags[flags[i]];
+    EXPECT_FALSE(row.fail()) << "malformed row: " << line;
+    cases.push_back(c);
+  }
+  return cases;
+}
+
+// (ours, theirs): a mask of the case's kind. torch::nn::MultiheadAttention
+// takes a float (L, S) attn_mask and a bool key padding mask, so it gets
+// each mask in that form: bool masks as -inf terms, per-head masks as the
+// 2-D mask ours gets expanded over heads, float padding masks with values
+// 0 or -inf only. (The Python tests run genuinely per-head masks.)
+std::pair<torch::Tensor, torch::Tensor> shared_case_mask(const std::string& kind,
+                                                         std::vector<int64_t> shape,
+                                                         bool padding, int64_t heads_first) {
+  if (kind == "none") return {};
+  auto masked = torch::rand(shape) < 0.35;
+  masked.index_put_({torch::indexing::Ellipsis, 0}, false);  // key 0 stays visible
+  if (kind == "causal") masked = torch::ones(shape, torch::kBool).triu(1);
+  auto as_float = [&](torch::ScalarType dtype) {
+    auto m = float_mask(masked);
+    if (!padding && kind != "causal") m = m + torch::randn(shape, torch::kDouble);
+    return m.to(dtype);
+  };
+  torch::Tensor ours, theirs;
+  if (kind == "bool" || kind == "bool3d" || kind == "causal") {
+    ours = masked;
+    theirs = padding ? masked : float_mask(masked);
+  } else {
+    ours = as_float(kind == "lowp" ? torch::kFloat : torch::kDouble);
+    theirs = padding ? masked : ours.to(torch::kDouble);
+  }
+  if (kind.size() > 2 && kind.substr(kind.size() - 2) == "3d") {
+    std::vector<int64_t> per_head{heads_first};
+    per_head.insert(per_head.end(), shape.begin(), shape.end());
+    ours = ours.expand(per_head);
+  }
+  return {ours, theirs};
+}
+
+}  // namespace
+
+// Every row of tests/data/mha_cases.txt, the table the Python module's tests
+// run too (tests/python/test_mha_shared_cases.py).
+TEST(MultiheadAttention, SharedCasesMatchTorch) {
+  const std::vector<SharedCase> cases = read_shared_cases();
+  ASSERT_GE(cases.size(), 10u);
+  size_t skipped = 0;
+  for (const SharedCase& c : cases) {
+    SCOPED_TRACE(c.name);
+    torch::manual_seed(0);
+    const int64_t kdim = c["kdim"] ? c["kdim"] : kEmbed, vdim = c["vdim"] ? c["vdim"] : kEmbed;
+    if (kdim != vdim) {
+      // torch::nn::MultiheadAttention asserts key.sizes() == value.sizes(); these rows
+      // run against nn.MultiheadAttention in the Python tests only.
+      ++skipped;
+      continue;
+    }
+    auto theirs = torch::nn::MultiheadAttention(torch::nn::MultiheadAttentionOptions(kEmbed, kHeads)
+                                                    .bias(c["bias"])
+                                                    .add_bias_kv(c["add_bias_kv"])
+                                                    .add_zero_attn(c["add_zero_attn"])
+                                                    .kdim(kdim)
+                                                    .vdim(vdim));
+    auto ours = fusedmha::MultiheadAttention(fusedmha::MultiheadAttentionOptions(kEmbed, kHeads)
+                                                 .bias(c["bias"])
+                                                 .add_bias_kv(c["add_bias_kv"])
+                                                 .add_zero_attn(c["add_zero_attn"])
+                                                 .kdim(kdim)
+                                                 .vdim(vdim)
+                                                 .batch_first(c["batch_first"]));
+    theirs->to(torch::kDouble);
+    ours->to(torch::kDouble);
+    {
+      torch::NoGradGuard no_grad;
+      auto dst = ours->named_parameters();
+      for (const auto& param : theirs->named_parameters()) {
+        if (param.key().find("bias") != std::string::npos) param.value().normal_(0, 0.5);
+        dst[param.key()].copy_(param.value());
+      }
+    }
+    const int64_t S = c.inputs == "self" ? kL : kS;
+    // torch's layout (L, N, E); ours gets it batch-first or unbatched as the case says.
+    const auto q = torch::randn({kL, kN, kEmbed}, torch::kDouble);
+    const auto k = c.inputs == "self" ? q : torch::randn({S, kN, kdim}, torch::kDouble);
+    const auto v = c.inputs == "cross" ? torch::randn({S, kN, vdim}, torch::kDouble) : k;
+    const int64_t n = c["batched"] ? kN : 1;
+    auto [mask, their_mask] = shared_case_mask(c.attn_mask, {kL, S}, false, n * kHeads);
+    auto [padding, their_padding] = shared_case_mask(c.key_padding_mask, {n, S}, true, 0);
+    if (c["is_causal"] && !their_mask.defined()) {
+      their_mask = float_mask(torch::ones({kL, S}, torch::kBool).triu(1));
+    }
+    auto ours_layout = [&](const torch::Tensor& t) {
+      if (!c["batched"]) return t.select(1, 0);
+      return c["batch_first"] ? t.transpose(0, 1) : t;
+    };
+    auto leaves = [&](const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& d) {
+      const auto qs = a.detach().clone().requires_grad_();
+      const auto ks = b.is_same(a) ? qs : b.detach().clone().requires_grad_();
+      const auto vs = d.is_same(b) ? ks : d.detach().clone().requires_grad_();
+      return std::make_tuple(qs, ks, vs);
+    };
+    const auto q_t = c["batched"] ? q : q.narrow(1, 0, 1);
+    const auto k_t = k.is_same(q) ? q_t : (c["batched"] ? k : k.narrow(1, 0, 1));
+    const auto v_t = v.is_same(k) ? k_t : (c["batched"] ? v : v.narrow(1, 0, 1));
+    auto [qt, kt, vt] = leaves(q_t, k_t, v_t);
+    auto [out_t, w_t] = theirs->forward(qt, kt, vt, their_padding, c["need_weights"], their_mask,
+                                        c["average"]);
+    const auto qo_in = ours_layout(q_t);
+    const auto ko_in = k_t.is_same(q_t) ? qo_in : ours_layout(k_t);
+    const auto vo_in = v_t.is_same(k_t) ? ko_in : ours_layout(v_t);
+    auto [qo, ko, vo] = leaves(qo_in, ko_in, vo_in);
+    if (!c["batched"] && padding.defined()) padding = padding.select(0, 0);
+    auto [out_o, w_o] = ours->forward(qo, ko, vo, padding, c["need_weights"], mask, c["average"],
+                                      c["is_causal"]);
+    const auto out_expected = c["batched"] ? (c["batch_first"] ? out_t.transpose(0, 1) : out_t)
+                                           : out_t.select(1, 0);
+    expect_close(out_o, out_expected, "output");
+    ASSERT_EQ(w_o.defined(), bool(c["need_weights"]));
+    if (c["need_weights"]) expect_close(w_o, c["batched"] ? w_t : w_t.select(0, 0), "weights");
+    out_t.pow(2).sum().backward();
+    out_o.pow(2).sum().backward();
+    auto back = [&](const torch::Tensor& g) {
+      if (!c["batched"]) return g.unsqueeze(1);
+      return c["batch_first"] ? g.transpose(0, 1) : g;
+    };
+    expect_close(back(qo.grad()), qt.grad(), "query grad");
+    if (!ko.is_same(qo)) expect_close(back(ko.grad()), kt.grad(), "key grad");
+    if (!vo.is_same(ko)) expect_close(back(vo.grad()), vt.grad(), "value grad");
+    auto grads = ours->named_parameters();
+    for (const auto& param : theirs->named_parameters()) {
+      expect_close(grads[param.key()].grad(), param.value().grad(), param.key() + " grad");
+    }
+  }
+  EXPECT_LE(skipped, 2u) << "rows torch::nn::MultiheadAttention cannot run";
 }
