@@ -6,6 +6,11 @@
 // shapes allow it (sm_80+, head dims <= 256, shared memory), else, like
 // float32 and float64, the simple kernels. Nothing here synchronises with
 // the GPU or copies host data to it, so calls can be captured in CUDA graphs.
+//
+// Each wrapper opens like its CPU twin (csrc/cpu/attention_*.cpp): the op's
+// arguments handed to the shared checks and params filler. Those lines are
+// the op's signature, not logic; what differs is the row layout and the
+// launch.
 
 #include "common/philox.h"
 #include "cuda/flash_config.h"

@@ -161,3 +161,22 @@ def test_backward_op_checks_its_extra_inputs():
         bwd(out, q, k, v, out, lse.double(), rng, None, 0.0, False, None, False)
     with pytest.raises(RuntimeError, match=r"expected rng_state as attention_forward returns it"):
         bwd(out, q, k, v, out, lse, rng[:1], None, 0.0, False, None, False)
+
+
+def test_errors_name_the_entry_point_called():
+    """Each entry point's errors start with its own name, not another door's."""
+    q, k, v = qkv()
+    bad_k = k[..., :5]
+    with pytest.raises(RuntimeError, match=r"^fusedmha\.scaled_dot_product_attention: "):
+        sdpa(q, bad_k, v)
+    with pytest.raises(RuntimeError, match=r"^fusedmha\.attention_forward: "):
+        torch.ops.fusedmha.attention_forward(q, bad_k, v)
+    out, lse, rng = torch.ops.fusedmha.attention_forward(q, k, v)
+    with pytest.raises(RuntimeError, match=r"^fusedmha\.attention_backward: .*grad_out"):
+        torch.ops.fusedmha.attention_backward(out[..., :3], q, k, v, out, lse, rng, None, 0.0,
+                                              False, None, False)
+    with pytest.raises(RuntimeError, match=r"^fusedmha\.attention_backward: "):
+        torch.ops.fusedmha.attention_backward(out, q, bad_k, v, out, lse, rng, None, 0.0,
+                                              False, None, False)
+    with pytest.raises(RuntimeError, match=r"^fusedmha\.attention_weights: .*logsumexp"):
+        torch.ops.fusedmha.attention_weights(q, k, lse[..., :2], rng)
