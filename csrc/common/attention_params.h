@@ -96,8 +96,24 @@ struct AttentionParams {
   MaskKind mask_kind = MaskKind::None;
   Matrix mask;
 
+  // The score pipeline: s = scale·q·k → softcap → + ALiBi → masks and the
+  // band → softmax (with the sink in the denominator) → dropout → ·V.
   double scale = 1.0;
-  bool is_causal = false;  // top-left aligned: row i sees keys 0..i
+  // > 0: s → softcap·tanh(s / softcap).
+  double softcap = 0.0;
+  // Query i's diagonal is key i + diagonal_offset (0: top-left, as SDPA's
+  // is_causal; S − L: bottom-right, as FlashAttention's). It sees keys j
+  // with diagonal − window_left <= j <= diagonal + window_right; a negative
+  // bound is unbounded. Causal attention is window_right = 0.
+  int64_t diagonal_offset = 0;
+  int64_t window_left = -1;
+  int64_t window_right = -1;
+  // One float64 slope per outer index (data null: off): −slope·|diagonal − j|
+  // is added to score (i, j). (Float64 so that float64 calls stay exact.)
+  Matrix alibi_slopes;
+  // One float64 logit per outer index (data null: off), joining each row's
+  // softmax denominator with no value (a "sink").
+  Matrix sinks;
 
   DropoutParams dropout;
 
@@ -106,6 +122,51 @@ struct AttentionParams {
   Matrix out;
   void* lse = nullptr;
 };
+
+// ---- the band of keys each query sees ------------------------------------
+
+FUSEDMHA_HOST_DEVICE bool has_band(const AttentionParams& p) {
+  return p.window_left >= 0 || p.window_right >= 0;
+}
+
+// Whether query i may see key j (the band; masks aside).
+FUSEDMHA_HOST_DEVICE bool in_band(const AttentionParams& p, int64_t i, int64_t j) {
+  const int64_t d = i + p.diagonal_offset;
+  return (p.window_right < 0 || j <= d + p.window_right) &&
+         (p.window_left < 0 || j >= d - p.window_left);
+}
+
+// The keys [begin, end) that queries [q0, q1) can see, clamped to [0, len_kv).
+FUSEDMHA_HOST_DEVICE int64_t band_key_begin(const AttentionParams& p, int64_t q0) {
+  if (p.window_left < 0) return 0;
+  const int64_t k = q0 + p.diagonal_offset - p.window_left;
+  return k < 0 ? 0 : (k > p.len_kv ? p.len_kv : k);
+}
+FUSEDMHA_HOST_DEVICE int64_t band_key_end(const AttentionParams& p, int64_t q1) {
+  if (p.window_right < 0) return p.len_kv;
+  const int64_t k = q1 - 1 + p.diagonal_offset + p.window_right + 1;
+  return k < 0 ? 0 : (k > p.len_kv ? p.len_kv : k);
+}
+// The queries [begin, end) that can see keys [k0, k1), clamped to [0, len_q).
+FUSEDMHA_HOST_DEVICE int64_t band_query_begin(const AttentionParams& p, int64_t k0) {
+  if (p.window_right < 0) return 0;
+  const int64_t q = k0 - p.diagonal_offset - p.window_right;
+  return q < 0 ? 0 : (q > p.len_q ? p.len_q : q);
+}
+FUSEDMHA_HOST_DEVICE int64_t band_query_end(const AttentionParams& p, int64_t k1) {
+  if (p.window_left < 0) return p.len_q;
+  const int64_t q = k1 - 1 - p.diagonal_offset + p.window_left + 1;
+  return q < 0 ? 0 : (q > p.len_q ? p.len_q : q);
+}
+
+// The slope and sink of outer index o (0 and -inf when off).
+FUSEDMHA_HOST_DEVICE double alibi_slope(const AttentionParams& p, int64_t o) {
+  return p.alibi_slopes.data ? *matrix_start<const double>(p.outer, p.alibi_slopes, o) : 0.0;
+}
+FUSEDMHA_HOST_DEVICE bool has_sinks(const AttentionParams& p) { return p.sinks.data != nullptr; }
+FUSEDMHA_HOST_DEVICE double sink_logit(const AttentionParams& p, int64_t o) {
+  return *matrix_start<const double>(p.outer, p.sinks, o);
+}
 
 // The backward pass: gradients in acc_t, dense, one matrix per outer
 // index (the host sums them over broadcast and grouped heads):

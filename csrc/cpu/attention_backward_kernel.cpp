@@ -41,6 +41,7 @@ struct BackwardWorkspace {
   acc_t* dst;  // bkv × bq    dPᵀ, then dSᵀ
   acc_t* dm;   // bkv × bq    dropout factors M (when dropout is on)
   acc_t* zt;   // bkv × bq    Zᵀ = Pᵀ ∘ M (when dropout is on)
+  acc_t* dcap; // bkv × bq    1 − tanh² of the softcap (when softcap is on)
   acc_t* k;    // bkv × dqk   widened key block
   acc_t* v;    // bkv × dv    widened value block
   acc_t* mt;   // w × bkv     mask terms (general masks)
@@ -64,6 +65,7 @@ struct BackwardWorkspace {
     dst = arena.take(bkv * bq);
     dm = p.dropout.on() ? arena.take(bkv * bq) : nullptr;
     zt = p.dropout.on() ? arena.take(bkv * bq) : nullptr;
+    dcap = p.softcap > 0 ? arena.take(bkv * bq) : nullptr;
     k = arena.take(bkv * dqk);
     v = arena.take(bkv * dv);
     mt = arena.take(w * round_up(bkv, w));
@@ -105,12 +107,11 @@ class BackwardKernel {
     std::fill(ws_.dk, ws_.dk + cols * ws_.dqk, acc_t(0));
     std::fill(ws_.dvv, ws_.dvv + cols * ws_.dv, acc_t(0));
 
-    // Causal (top-left): key j is seen by queries j.., so query blocks
-    // entirely before k0 are skipped.
+    // Only the queries whose band sees these keys (causal, sliding window).
     const int64_t block_q = split_.block_q;
-    const int64_t q_begin = p_.is_causal ? k0 / block_q * block_q : 0;
-    for (int64_t q0 = q_begin; q0 < p_.len_q; q0 += block_q) {
-      const int64_t rows = std::min(block_q, p_.len_q - q0);
+    const int64_t q_begin = band_query_begin(p_, k0), q_end = band_query_end(p_, k0 + cols);
+    for (int64_t q0 = q_begin; q0 < q_end; q0 += block_q) {
+      const int64_t rows = std::min(block_q, q_end - q0);
       const int64_t bq = round_up(rows, nr);
       int64_t ldq, lddo;
       tiles_.pack_transposed(p_.q, o, q0, rows, bq, E, static_cast<acc_t>(p_.scale), ws_.qt);
@@ -120,7 +121,7 @@ class BackwardKernel {
       load_row_stats(o, q0, rows, bq, dout, lddo);
 
       tiles_.scores(k, ldk, cols, ws_.qt, bq, ws_.pt);
-      tiles_.apply_masks(o, q0, rows, bq, k0, cols, ws_.pt, ws_.mt);
+      tiles_.transform_scores(o, q0, rows, bq, k0, cols, ws_.pt, ws_.mt, ws_.dcap);
       probabilities(cols, bq);
       const acc_t* zt = ws_.pt;
       if (p_.dropout.on()) {
@@ -190,12 +191,15 @@ class BackwardKernel {
     }
   }
 
+  // dSᵀ = Pᵀ ∘ (dPᵀ − D), times d(capped)/d(score) with softcap.
   void score_gradients(int64_t cols, int64_t bq) {
     for (int64_t c = 0; c < bq; c += w) {
       const Vec d = Vec::loadu(ws_.d + c);
       for (int64_t j = 0; j < cols; ++j) {
         acc_t* ds = ws_.dst + j * bq + c;
-        (Vec::loadu(ws_.pt + j * bq + c) * (Vec::loadu(ds) - d)).store(ds);
+        Vec g = Vec::loadu(ws_.pt + j * bq + c) * (Vec::loadu(ds) - d);
+        if (ws_.dcap) g = g * Vec::loadu(ws_.dcap + j * bq + c);
+        g.store(ds);
       }
     }
   }

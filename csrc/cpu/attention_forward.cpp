@@ -34,12 +34,16 @@ DropoutParams draw_dropout(double dropout_p) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cpu(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
-    std::optional<double> scale, bool enable_gqa) {
+    std::optional<double> scale, bool enable_gqa, int64_t window_left, int64_t window_right, bool bottom_right,
+    double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& sinks) {
+  const AttentionVariants variants{window_left, window_right, bottom_right, softcap,
+                                   alibi_slopes, sinks};
   ops::check_attention_inputs(ops::kForwardOp, query, key, value, attn_mask, dropout_p, scale,
-                              enable_gqa);
+                              enable_gqa, variants);
   auto [out, lse, rng_state] = ops::allocate_attention_outputs(query, key, value, enable_gqa);
   ops::AttentionCall call(ops::kForwardOp, query, key, value, attn_mask, is_causal, scale,
-                          enable_gqa);
+                          enable_gqa, variants);
   AttentionParams p = call.forward(out, lse);
   p.dropout = draw_dropout(dropout_p);
   rng_state[0] = static_cast<int64_t>(p.dropout.seed);

@@ -77,18 +77,21 @@ class ForwardKernel {
     tiles_.pack_transposed(p_.q, o, q0, rows, bq, p_.dim_qk, static_cast<acc_t>(p_.scale),
                            ws_.qt);
     std::fill(ws_.o, ws_.o + rows * ws_.dv, acc_t(0));
-    std::fill(ws_.m, ws_.m + bq, neg_inf<acc_t>());
-    std::fill(ws_.l, ws_.l + bq, acc_t(0));
+    // A sink is a key of score `sink` and no value: the running max and sum
+    // start from it.
+    const bool sink = has_sinks(p_);
+    std::fill(ws_.m, ws_.m + bq, sink ? static_cast<acc_t>(sink_logit(p_, o)) : neg_inf<acc_t>());
+    std::fill(ws_.l, ws_.l + bq, acc_t(sink ? 1 : 0));
 
-    // Causal (top-left): query i sees keys 0..i, so this block needs keys
-    // below q0 + rows; key blocks entirely above the diagonal are skipped.
-    const int64_t kv_end = p_.is_causal ? std::min(p_.len_kv, q0 + rows) : p_.len_kv;
-    for (int64_t k0 = 0; k0 < kv_end; k0 += split_.block_kv) {
+    // Only the keys the block's band can see (causal, sliding window): the
+    // rest are skipped, not computed and masked.
+    const auto [kv_begin, kv_end] = tiles_.key_range(q0, rows);
+    for (int64_t k0 = kv_begin; k0 < kv_end; k0 += split_.block_kv) {
       const int64_t cols = std::min(split_.block_kv, kv_end - k0);
       int64_t ldk, ldv;
       const acc_t* k = tiles_.rows_of(p_.k, o, k0, cols, p_.dim_qk, false, ws_.k, &ldk);
       tiles_.scores(k, ldk, cols, ws_.qt, bq, ws_.st);
-      tiles_.apply_masks(o, q0, rows, bq, k0, cols, ws_.st, ws_.mt);
+      tiles_.transform_scores(o, q0, rows, bq, k0, cols, ws_.st, ws_.mt);
       softmax_step(bq, cols);
       rescale_output(rows);
       if (p_.dropout.on()) {

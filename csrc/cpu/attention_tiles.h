@@ -300,18 +300,16 @@ class TileReader {
         cols, bq, d, k, ldk, [&](int64_t c) { return qt + c * d; }, nr, st, bq);
   }
 
-  // Causal and explicit masks on the transposed scores st (row j = key
-  // k0 + j, bq query lanes, queries q0..q0+rows); mt is scratch of
-  // w × round_up(cols, w).
-  void apply_masks(int64_t o, int64_t q0, int64_t rows, int64_t bq, int64_t k0, int64_t cols,
-                   acc_t* st, acc_t* mt) const {
-    if (p_.is_causal && k0 + cols - 1 > q0) {
-      for (int64_t j = 0; j < cols; ++j) {
-        // Key k0 + j is hidden from queries q0 + i with i < k0 + j - q0.
-        const int64_t hidden = std::clamp<int64_t>(k0 + j - q0, 0, rows);
-        std::fill(st + j * bq, st + j * bq + hidden, neg_inf<acc_t>());
-      }
-    }
+  // The score pipeline after the product, on the transposed scores st (row
+  // j = key k0 + j, bq query lanes, queries q0..q0+rows): softcap, ALiBi, the
+  // band (causal, sliding window), the explicit mask. With softcap and dcap
+  // given, dcap gets each element's d(capped)/d(score) = 1 − tanh², laid out
+  // like st (the backward's chain rule). mt is scratch of w × round_up(cols, w).
+  void transform_scores(int64_t o, int64_t q0, int64_t rows, int64_t bq, int64_t k0,
+                        int64_t cols, acc_t* st, acc_t* mt, acc_t* dcap = nullptr) const {
+    if (p_.softcap > 0) apply_softcap(cols * bq, st, dcap);
+    if (p_.alibi_slopes.data) apply_alibi(o, q0, bq, k0, cols, st);
+    if (has_band(p_)) apply_band(q0, rows, bq, k0, cols, st);
     switch (p_.mask_kind) {
       case MaskKind::None: return;
       case MaskKind::Bool: return apply_mask<bool>(o, q0, rows, bq, k0, cols, st, mt);
@@ -390,12 +388,70 @@ class TileReader {
   }
 #endif
 
+  // The keys [begin, end) that queries q0..q0+rows can see (the band).
+  std::pair<int64_t, int64_t> key_range(int64_t q0, int64_t rows) const {
+    return {band_key_begin(p_, q0), band_key_end(p_, q0 + rows)};
+  }
+
   // x[j·bq + c] *= dm[j·bq + c] over the tile.
   static void scale_by(acc_t* x, const acc_t* dm, int64_t cols, int64_t bq) {
     for (int64_t t = 0; t < cols * bq; t += w) (Vec::loadu(x + t) * Vec::loadu(dm + t)).store(x + t);
   }
 
  private:
+  // s → c·tanh(s / c) over n elements, with tanh(y) = 1 − 2 / (exp(2y) + 1):
+  // the fast exp keeps this to a few vector operations per element, and its
+  // error is absolute (about c·1e-7), like the rounding of a score of size c.
+  void apply_softcap(int64_t n, acc_t* st, acc_t* dcap) const {
+    const acc_t c = static_cast<acc_t>(p_.softcap);
+    const Vec vc(c), two_over_c(acc_t(2) / c), one(acc_t(1)), two(acc_t(2));
+    for (int64_t t = 0; t < n; t += w) {
+      const Vec e = (Vec::loadu(st + t) * two_over_c).exp_u20();
+      const Vec tanh = one - two / (e + one);
+      (tanh * vc).store(st + t);
+      if (dcap) (one - tanh * tanh).store(dcap + t);
+    }
+  }
+
+  // + (−slope·|q + diagonal_offset − key|) on every element.
+  void apply_alibi(int64_t o, int64_t q0, int64_t bq, int64_t k0, int64_t cols,
+                   acc_t* st) const {
+    const Vec neg_slope(static_cast<acc_t>(-alibi_slope(p_, o)));
+    acc_t lane[w];
+    for (int64_t l = 0; l < w; ++l) lane[l] = static_cast<acc_t>(l);
+    const Vec lanes = Vec::loadu(lane);
+    for (int64_t j = 0; j < cols; ++j) {
+      // Query q0 + i's distance to key k0 + j is |i − (k0 + j − q0 − offset)|.
+      const acc_t start = static_cast<acc_t>(q0 + p_.diagonal_offset - k0 - j);
+      acc_t* s = st + j * bq;
+      for (int64_t i = 0; i < bq; i += w) {
+        const Vec distance = (lanes + Vec(start + static_cast<acc_t>(i))).abs();
+        (Vec::loadu(s + i) + neg_slope * distance).store(s + i);
+      }
+    }
+  }
+
+  // −inf outside the band: key k0 + j is seen by queries [lo, hi] (absolute).
+  void apply_band(int64_t q0, int64_t rows, int64_t bq, int64_t k0, int64_t cols,
+                  acc_t* st) const {
+    const bool left_ok = p_.window_left < 0 ||
+                         k0 >= q0 + rows - 1 + p_.diagonal_offset - p_.window_left;
+    const bool right_ok = p_.window_right < 0 ||
+                          k0 + cols - 1 <= q0 + p_.diagonal_offset + p_.window_right;
+    if (left_ok && right_ok) return;  // the whole tile is inside
+    for (int64_t j = 0; j < cols; ++j) {
+      const int64_t key = k0 + j;
+      // Seen by queries key − offset − right .. key − offset + left.
+      const int64_t first = p_.window_right < 0 ? 0 : key - p_.diagonal_offset - p_.window_right;
+      const int64_t last = p_.window_left < 0 ? q0 + rows : key - p_.diagonal_offset + p_.window_left;
+      const int64_t lo = std::clamp<int64_t>(first - q0, 0, rows);
+      const int64_t hi = std::clamp<int64_t>(last - q0 + 1, lo, rows);
+      acc_t* s = st + j * bq;
+      std::fill(s, s + lo, neg_inf<acc_t>());
+      std::fill(s + hi, s + rows, neg_inf<acc_t>());
+    }
+  }
+
   // A mask value as a term added to the score: bool masks add 0 or -inf.
   static acc_t additive(bool allowed) { return allowed ? acc_t(0) : neg_inf<acc_t>(); }
   template <typename mask_t>

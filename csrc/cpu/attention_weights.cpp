@@ -17,14 +17,18 @@ at::Tensor attention_weights_cpu(const at::Tensor& query, const at::Tensor& key,
                                  const at::Tensor& logsumexp, const at::Tensor& rng_state,
                                  const std::optional<at::Tensor>& attn_mask, double dropout_p,
                                  bool is_causal, std::optional<double> scale, bool enable_gqa,
-                                 bool average_heads) {
+                                 bool average_heads, int64_t window_left, int64_t window_right, bool bottom_right,
+    double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& sinks) {
+  const AttentionVariants variants{window_left, window_right, bottom_right, softcap,
+                                   alibi_slopes, sinks};
   ops::check_attention_weights_inputs(ops::kWeightsOp, query, key, logsumexp, rng_state,
-                                      attn_mask, dropout_p, scale, enable_gqa);
+                                      attn_mask, dropout_p, scale, enable_gqa, variants);
   at::Tensor weights = ops::allocate_attention_weights(query, key, enable_gqa, average_heads);
   if (weights.numel() == 0) return weights;
   // Key stands in for value: the weights never read values.
   ops::AttentionCall call(ops::kWeightsOp, query, key, key, attn_mask, is_causal, scale,
-                          enable_gqa);
+                          enable_gqa, variants);
   const WeightsParams wp = call.weights(logsumexp, rng_state, dropout_p, average_heads, weights);
 
   const IsaKernels kernels = selected_kernels();

@@ -68,8 +68,9 @@ class WeightsKernel {
     for (int64_t k0 = 0; k0 < p_.len_kv; k0 += split_.block_kv) {
       const int64_t cols = std::min(split_.block_kv, p_.len_kv - k0);
       std::fill(ws_.acc, ws_.acc + cols * bq, acc_t(0));
-      // Causal (top-left): a key block entirely above the diagonal is 0.
-      const bool visible = !p_.is_causal || k0 < q0 + rows;
+      // A key block outside the block's band (causal, sliding window) is 0.
+      const auto [kv_begin, kv_end] = tiles_.key_range(q0, rows);
+      const bool visible = k0 < kv_end && k0 + cols > kv_begin;
       for (int64_t h = 0; visible && h < heads; ++h) {
         add_head_tile(group * heads + h, q0, rows, bq, k0, cols, head_weight);
       }
@@ -102,7 +103,7 @@ class WeightsKernel {
     int64_t ldk;
     const acc_t* k = tiles_.rows_of(p_.k, o, k0, cols, p_.dim_qk, false, ws_.k, &ldk);
     tiles_.scores(k, ldk, cols, ws_.qt, bq, ws_.st);
-    tiles_.apply_masks(o, q0, rows, bq, k0, cols, ws_.st, ws_.mt);
+    tiles_.transform_scores(o, q0, rows, bq, k0, cols, ws_.st, ws_.mt);
     if (p_.dropout.on()) tiles_.dropout_factors(o, q0, rows, bq, k0, cols, ws_.dm);
 
     // exp(s − lse): a masked score (−inf) or a row with nothing to attend

@@ -117,14 +117,18 @@ void check_simple_smem(const at::Tensor& q, size_t need, const char* what) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
-    std::optional<double> scale, bool enable_gqa) {
+    std::optional<double> scale, bool enable_gqa, int64_t window_left, int64_t window_right, bool bottom_right,
+    double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& sinks) {
+  const AttentionVariants variants{window_left, window_right, bottom_right, softcap,
+                                   alibi_slopes, sinks};
   ops::check_attention_inputs(ops::kForwardOp, query, key, value, attn_mask, dropout_p, scale,
-                              enable_gqa);
+                              enable_gqa, variants);
   const c10::cuda::CUDAGuard guard(query.device());
   auto [out, lse, rng_state] = ops::allocate_attention_outputs(query, key, value, enable_gqa);
   const bool tensor_cores = use_tensor_cores(query, value, /*backward=*/false);
   ops::AttentionCall call(ops::kForwardOp, query, key, value, attn_mask, is_causal, scale,
-                          enable_gqa, row_layout(tensor_cores));
+                          enable_gqa, variants, row_layout(tensor_cores));
   AttentionParams p = call.forward(out, lse);
   check_launch_size(p);
   if (p.num_outer * p.len_q == 0) {
@@ -147,14 +151,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
     const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
     const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
     const at::Tensor& rng_state, const std::optional<at::Tensor>& attn_mask, double dropout_p,
-    bool is_causal, std::optional<double> scale, bool enable_gqa) {
+    bool is_causal, std::optional<double> scale, bool enable_gqa, int64_t window_left, int64_t window_right, bool bottom_right,
+    double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& sinks) {
+  const AttentionVariants variants{window_left, window_right, bottom_right, softcap,
+                                   alibi_slopes, sinks};
   ops::check_attention_backward_inputs(ops::kBackwardOp, grad_out, query, key, value, out,
                                        logsumexp, rng_state, attn_mask, dropout_p, scale,
-                                       enable_gqa);
+                                       enable_gqa, variants);
   const c10::cuda::CUDAGuard guard(query.device());
   const bool tensor_cores = use_tensor_cores(query, value, /*backward=*/true);
   ops::AttentionCall call(ops::kBackwardOp, query, key, value, attn_mask, is_causal, scale,
-                          enable_gqa, row_layout(tensor_cores));
+                          enable_gqa, variants, row_layout(tensor_cores));
   BackwardParams bp = call.backward(grad_out, out, logsumexp, rng_state, dropout_p);
   check_launch_size(bp.fwd);
   // D = rowsum(dO ∘ O), in the accumulation dtype.
@@ -187,15 +195,19 @@ at::Tensor attention_weights_cuda(const at::Tensor& query, const at::Tensor& key
                                   const at::Tensor& logsumexp, const at::Tensor& rng_state,
                                   const std::optional<at::Tensor>& attn_mask, double dropout_p,
                                   bool is_causal, std::optional<double> scale, bool enable_gqa,
-                                  bool average_heads) {
+                                  bool average_heads, int64_t window_left, int64_t window_right, bool bottom_right,
+    double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& sinks) {
+  const AttentionVariants variants{window_left, window_right, bottom_right, softcap,
+                                   alibi_slopes, sinks};
   ops::check_attention_weights_inputs(ops::kWeightsOp, query, key, logsumexp, rng_state,
-                                      attn_mask, dropout_p, scale, enable_gqa);
+                                      attn_mask, dropout_p, scale, enable_gqa, variants);
   const c10::cuda::CUDAGuard guard(query.device());
   at::Tensor weights = ops::allocate_attention_weights(query, key, enable_gqa, average_heads);
   if (weights.numel() == 0) return weights;
   // Key stands in for value: the weights never read values.
   ops::AttentionCall call(ops::kWeightsOp, query, key, key, attn_mask, is_causal, scale,
-                          enable_gqa);
+                          enable_gqa, variants);
   const WeightsParams wp = call.weights(logsumexp, rng_state, dropout_p, average_heads, weights);
   check_launch_size(wp.fwd);
   check_simple_smem(query, simple_weights_smem(wp), "attention weights");

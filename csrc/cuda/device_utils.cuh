@@ -98,6 +98,28 @@ __device__ __forceinline__ A mask_term(const AttentionParams& p, int64_t mask_ba
   }
 }
 
+__device__ __forceinline__ float tanh_acc(float x) { return tanhf(x); }
+__device__ __forceinline__ double tanh_acc(double x) { return tanh(x); }
+
+// Score (i, j) after the pipeline's softcap and ALiBi, from s = scale·q·k
+// (natural-log domain); with softcap, *dcap gets d(capped)/ds = 1 − tanh²
+// when dcap is given. The band and the mask are the caller's.
+template <typename A>
+__device__ __forceinline__ A transformed_score(const AttentionParams& p, A s, A slope, int64_t i,
+                                               int64_t j, A* dcap = nullptr) {
+  if (p.softcap > 0.0) {
+    const A c = static_cast<A>(p.softcap);
+    const A t = tanh_acc(s / c);
+    s = c * t;
+    if (dcap != nullptr) *dcap = A(1) - t * t;
+  }
+  if (slope != A(0)) {
+    const int64_t d = i + p.diagonal_offset - j;
+    s -= slope * static_cast<A>(d < 0 ? -d : d);
+  }
+  return s;
+}
+
 // The dropout stream of this call: the forward draws it, the backward and
 // the weights pass read it back from rng_state (a device tensor).
 __device__ __forceinline__ DropoutStream dropout_stream(const AttentionParams& p) {

@@ -4,8 +4,10 @@
 // design). A CTA of 8 warps owns 64 keys of one (batch, head): K and V stay
 // in shared memory while the query tiles (Q, dO, lse, D = rowsum(dO∘O))
 // stream past. Per query tile, with every product on tensor cores:
-//   Sᵀ  = K·Qᵀ,  Pᵀ = exp(scale·Sᵀ + mask − lse)      (recomputed)
-//   dPᵀ = V·dOᵀ, dSᵀ = Pᵀ ∘ (dPᵀ∘Z/(1−p) − D)         (Z: the dropout keep mask)
+//   Sᵀ  = K·Qᵀ,  Pᵀ = exp(pipeline(scale·Sᵀ) − lse)   (recomputed: softcap,
+//                                                     ALiBi, band, mask)
+//   dPᵀ = V·dOᵀ, dSᵀ = Pᵀ ∘ (dPᵀ∘Z/(1−p) − D) ∘ C     (Z: the dropout keep mask,
+//                                                     C: softcap's 1 − tanh²)
 //   dV += (Pᵀ∘Z/(1−p))·dO,  dK += dSᵀ·Q                (in registers, all tiles)
 //   dQ += dS·K                                          (fp32 atomics into grad_q)
 // Pᵀ and dSᵀ go through shared memory, so each product uses the warp layout
@@ -62,8 +64,10 @@ __global__ void __launch_bounds__(kThreads) kernel(const BackwardParams bp) {
   const bool dropout = p.dropout.p > 0.0;
   const DropoutStream stream = dropout ? dropout_stream(p) : DropoutStream{};
   const float keep_scale = dropout ? static_cast<float>(1.0 / (1.0 - p.dropout.p)) : 1.0f;
-  const float scale_log2 = static_cast<float>(p.scale) * kLog2e;
+  const float scale = static_cast<float>(p.scale);
   const bool has_mask = p.mask_kind != MaskKind::None;
+  const bool band = has_band(p), softcap = p.softcap > 0.0;
+  const float slope = static_cast<float>(alibi_slope(p, o));
 
   // This warp's dK/dV block: keys wr*16.., columns wc*D/2.. .
   constexpr int kHalfTiles = D / 16;  // n-tiles of 8 in D/2 columns
@@ -74,9 +78,9 @@ __global__ void __launch_bounds__(kThreads) kernel(const BackwardParams bp) {
     for (int e = 0; e < 4; ++e) dk_acc[n][e] = dv_acc[n][e] = 0.0f;
   }
 
-  // Queries before k0 see none of these keys under causal masking.
-  const int64_t first_q_tile = p.is_causal ? k0 / kBlockQ : 0;
-  const int64_t n_q_tiles = (p.len_q + kBlockQ - 1) / kBlockQ;
+  // Only the query tiles whose band sees these keys (causal, sliding window).
+  const int64_t first_q_tile = band_query_begin(p, k0) / kBlockQ;
+  const int64_t n_q_tiles = (band_query_end(p, k0 + kv_rows) + kBlockQ - 1) / kBlockQ;
   for (int64_t it = first_q_tile; it < n_q_tiles; ++it) {
     const int64_t q0 = it * kBlockQ;
     const int q_rows = static_cast<int>(min64(kBlockQ, p.len_q - q0));
@@ -136,12 +140,15 @@ __global__ void __launch_bounds__(kThreads) kernel(const BackwardParams bp) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int64_t i = q0 + qc + e;
-          float x = st[n][2 * h + e] * scale_log2;
-          if (j >= p.len_kv || i >= p.len_q || (p.is_causal && j > i)) {
+          float dcap = 1.0f;
+          float x = transformed_score(p, st[n][2 * h + e] * scale, slope, i, j,
+                                      softcap ? &dcap : nullptr);
+          if (j >= p.len_kv || i >= p.len_q || (band && !in_band(p, i, j))) {
             x = -INFINITY;
           } else if (has_mask) {
-            x += mask_term(p, mask_base, i, j) * kLog2e;
+            x += mask_term(p, mask_base, i, j);
           }
+          x *= kLog2e;
           const float lse_i = lse_s[qc + e];
           // lse = +inf (a row with no key) gives 0; x = -inf too.
           float pr = x == -INFINITY ? 0.0f : exp2f(x - lse_i);
@@ -155,7 +162,7 @@ __global__ void __launch_bounds__(kThreads) kernel(const BackwardParams bp) {
             dp = keep ? dp * keep_scale : 0.0f;
           }
           pt[e] = pd;
-          ds[e] = pr * (dp - delta_s[qc + e]);
+          ds[e] = pr * (dp - delta_s[qc + e]) * dcap;
         }
         *reinterpret_cast<uint32_t*>(pt_tile.at(kr, qc)) = pack2<T>(pt[0], pt[1]);
         *reinterpret_cast<uint32_t*>(dst_tile.at(kr, qc)) = pack2<T>(ds[0], ds[1]);
@@ -174,7 +181,6 @@ __global__ void __launch_bounds__(kThreads) kernel(const BackwardParams bp) {
     for (int n = 0; n < kHalfTiles; ++n) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.0f;
     warp_mma<true, true, kBlockKV / 16, D / 32, T>(dq, dst_tile, wr * 16, 0, k_tile, wc * (D / 2),
                                                    0, lane);
-    const float scale = static_cast<float>(p.scale);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int64_t i = q0 + wr * 16 + g + 8 * h;
@@ -198,7 +204,6 @@ __global__ void __launch_bounds__(kThreads) kernel(const BackwardParams bp) {
   // outer index.
   float* grad_k = static_cast<float*>(bp.grad_k) + (o * p.len_kv + k0) * p.dim_qk;
   float* grad_v = static_cast<float*>(bp.grad_v) + (o * p.len_kv + k0) * p.dim_v;
-  const float scale = static_cast<float>(p.scale);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = wr * 16 + g + 8 * h;

@@ -6,8 +6,9 @@
 // stream through shared memory with cp.async, V's load overlapping Q·Kᵀ
 // and the next K's load overlapping softmax and P·V. Scores and the
 // running output stay in registers; softmax is online, in base 2 (exp2),
-// with log2(e) folded into the scale. Key tiles past a causal diagonal are
-// not visited. Included by one flash_forward_<dtype>_<dim>.cu per variant.
+// with log2(e) applied after softcap and ALiBi. Key tiles outside the band
+// (causal, sliding window) are not visited; a sink starts the running max
+// and sum. Included by one flash_forward_<dtype>_<dim>.cu per variant.
 
 #include "cuda/device_utils.cuh"
 #include "cuda/flash_config.h"
@@ -43,9 +44,12 @@ __global__ void __launch_bounds__(kThreads) kernel(const AttentionParams p) {
   const int q_rows = static_cast<int>(min64(kBlockQ, p.len_q - q0));
   const int dk = static_cast<int>(p.dim_qk), dv = static_cast<int>(p.dim_v);
 
-  // Keys this tile can see: with top-left causal masking row i sees 0..i.
-  const int64_t kv_end = p.is_causal ? min64(p.len_kv, q0 + kBlockQ) : p.len_kv;
-  const int n_kv_tiles = static_cast<int>((kv_end + kBlockKV - 1) / kBlockKV);
+  // Keys this tile's band can see (causal, sliding window).
+  const int64_t kv_begin = band_key_begin(p, q0), kv_end = band_key_end(p, q0 + q_rows);
+  const int n_kv_tiles =
+      kv_end > kv_begin ? static_cast<int>((kv_end - kv_begin + kBlockKV - 1) / kBlockKV) : 0;
+  const bool band = has_band(p);
+  const float slope = static_cast<float>(alibi_slope(p, o));
 
   const bool dropout = p.dropout.p > 0.0;
   const DropoutStream stream = dropout ? dropout_stream(p) : DropoutStream{};
@@ -55,13 +59,14 @@ __global__ void __launch_bounds__(kThreads) kernel(const AttentionParams p) {
     p.dropout.state_out[0] = static_cast<int64_t>(stream.seed);
     p.dropout.state_out[1] = static_cast<int64_t>(stream.offset);
   }
-  const float scale_log2 = static_cast<float>(p.scale) * kLog2e;
+  const float scale = static_cast<float>(p.scale);
   const bool has_mask = p.mask_kind != MaskKind::None;
 
   q_tile.template load_async<kThreads>(q, p.q.row_stride, q_rows, dk, tid);
   cp_async_commit();
   if (n_kv_tiles > 0) {
-    k_tile.template load_async<kThreads>(k, p.k.row_stride, static_cast<int>(min64(kBlockKV, kv_end)), dk, tid);
+    k_tile.template load_async<kThreads>(k + kv_begin * p.k.row_stride, p.k.row_stride,
+                                         static_cast<int>(min64(kBlockKV, kv_end - kv_begin)), dk, tid);
   }
   cp_async_commit();
 
@@ -71,11 +76,15 @@ __global__ void __launch_bounds__(kThreads) kernel(const AttentionParams p) {
   for (int n = 0; n < kOutTiles; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
   // Per thread two rows: warp*16 + g and + 8. m in the base-2 domain; l is
   // this thread's partial sum (its quad's four partials add up at the end).
-  float m_row[2] = {-INFINITY, -INFINITY}, l_row[2] = {0.0f, 0.0f};
+  // A sink is a key of score `sink` and no value: m and l start from it.
+  const bool sink = has_sinks(p);
+  const float m_start = sink ? static_cast<float>(sink_logit(p, o)) * kLog2e : -INFINITY;
+  const float l_start = sink && t4 == 0 ? 1.0f : 0.0f;
+  float m_row[2] = {m_start, m_start}, l_row[2] = {l_start, l_start};
   const int64_t row_of[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
 
   for (int jt = 0; jt < n_kv_tiles; ++jt) {
-    const int64_t k0 = int64_t(jt) * kBlockKV;
+    const int64_t k0 = kv_begin + int64_t(jt) * kBlockKV;
     const int kv_rows = static_cast<int>(min64(kBlockKV, kv_end - k0));
     v_tile.template load_async<kThreads>(v + k0 * p.v.row_stride, p.v.row_stride, kv_rows, dv, tid);
     cp_async_commit();
@@ -102,13 +111,13 @@ __global__ void __launch_bounds__(kThreads) kernel(const AttentionParams p) {
       for (int e = 0; e < 4; ++e) {
         const int h = e / 2;
         const int64_t j = k0 + n * 8 + 2 * t4 + (e & 1);
-        float x = s[n][e] * scale_log2;
-        if (j >= kv_end || (p.is_causal && j > row_of[h])) {
+        float x = transformed_score(p, s[n][e] * scale, slope, row_of[h], j);
+        if (j >= kv_end || (band && !in_band(p, row_of[h], j))) {
           x = -INFINITY;
         } else if (has_mask && row_of[h] < p.len_q) {
-          x += mask_term(p, mask_base, row_of[h], j) * kLog2e;
+          x += mask_term(p, mask_base, row_of[h], j);
         }
-        s[n][e] = x;
+        s[n][e] = x * kLog2e;
         tile_max[h] = fmaxf(tile_max[h], x);
       }
     }

@@ -91,17 +91,19 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) forward_kernel(const Atte
 
   // Keys in chunks of 32, one per lane: each lane scores its key, the warp
   // agrees on the chunk's max and sum, then walks the chunk's keys adding
-  // their value rows (lanes over head dims again).
-  const int64_t kv_end = p.is_causal ? min64(p.len_kv, i + 1) : p.len_kv;
-  A m = -INFINITY, l = 0;
-  for (int64_t j0 = 0; j0 < kv_end; j0 += 32) {
+  // their value rows (lanes over head dims again). Only the row's band is
+  // visited; a sink (a score with no value) starts the max and the sum.
+  const int64_t kv_begin = band_key_begin(p, i), kv_end = band_key_end(p, i + 1);
+  const A slope = static_cast<A>(alibi_slope(p, o));
+  A m = has_sinks(p) ? A(sink_logit(p, o)) : A(-INFINITY), l = has_sinks(p) ? A(1) : A(0);
+  for (int64_t j0 = kv_begin; j0 < kv_end; j0 += 32) {
     const int64_t j = j0 + lane;
     A x = -INFINITY;
     if (j < kv_end) {
       const T* k_row = k + j * p.k.row_stride;
       A s = 0;
       for (int e = 0; e < dk; ++e) s += q_s[e] * to_acc<A>(k_row[e]);
-      x = s;
+      x = transformed_score(p, s, slope, i, j);
       if (p.mask_kind != MaskKind::None) x += mask_term<A>(p, mask_base, i, j);
     }
     const A m_new = fmax(m, warp_max(x));
@@ -137,21 +139,23 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) forward_kernel(const Atte
   if (lane == 0) static_cast<A*>(p.lse)[o * p.len_q + i] = lse;
 }
 
-// What the backward needs of element (o, i, j) besides the products: the
-// probability P (0 where masked), and the dropout factor Z/(1-p) (1 without
-// dropout). Shared by both backward passes so that they agree exactly.
+// What the backward needs of element (o, i, j) of the band besides the
+// products: the probability P (0 where masked), the dropout factor Z/(1-p)
+// (1 without dropout) and softcap's 1 − tanh² (1 without). Shared by both
+// backward passes so that they agree exactly.
 template <typename A>
 struct BackwardElement {
-  A p, z;
+  A p, z, dcap;
 };
 
 template <typename A>
 __device__ __forceinline__ BackwardElement<A> backward_element(const AttentionParams& p,
                                                                const DropoutStream& stream,
-                                                               int64_t mask_base, A score,
-                                                               A lse, int64_t o, int64_t i,
-                                                               int64_t j) {
-  A x = score;
+                                                               int64_t mask_base, A slope,
+                                                               A score, A lse, int64_t o,
+                                                               int64_t i, int64_t j) {
+  A dcap = 1;
+  A x = transformed_score(p, score, slope, i, j, &dcap);
   if (p.mask_kind != MaskKind::None) x += mask_term<A>(p, mask_base, i, j);
   // exp(-inf - lse) is 0, and lse = +inf (a row with no key) gives 0 too.
   const A pr = x == A(-INFINITY) ? A(0) : exp_acc(x - lse);
@@ -159,7 +163,7 @@ __device__ __forceinline__ BackwardElement<A> backward_element(const AttentionPa
   if (p.dropout.p > 0.0) {
     z = dropout_keeps(stream, p.dropout.threshold, o, i, j) ? A(1.0 / (1.0 - p.dropout.p)) : A(0);
   }
-  return {pr, z};
+  return {pr, z, dcap};
 }
 
 // The backward in two passes without atomics (so deterministic), both
@@ -193,14 +197,15 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) backward_dq_kernel(const 
   const A lse = static_cast<const A*>(bp.fwd.lse)[o * p.len_q + i];
   const A delta = static_cast<const A*>(bp.delta)[o * p.len_q + i];
 
-  const int64_t kv_end = p.is_causal ? min64(p.len_kv, i + 1) : p.len_kv;
-  for (int64_t j = 0; j < kv_end; ++j) {
+  const A slope = static_cast<A>(alibi_slope(p, o));
+  for (int64_t j = band_key_begin(p, i); j < band_key_end(p, i + 1); ++j) {
     const T* k_row = k + j * p.k.row_stride;
     const A score = dot_row<T, A>(q_s, k_row, 1, dk, lane);
-    const BackwardElement<A> el = backward_element(p, stream, mask_base, score, lse, o, i, j);
+    const BackwardElement<A> el =
+        backward_element(p, stream, mask_base, slope, score, lse, o, i, j);
     if (el.p == A(0)) continue;  // (warp-uniform: every lane has the same sums)
     const A dp = dot_row<T, A>(do_s, v + j * p.v.row_stride, 1, dv, lane);
-    const A ds = el.p * (dp * el.z - delta) * scale;
+    const A ds = el.p * (dp * el.z - delta) * el.dcap * scale;
     for (int e = lane; e < dk; e += 32) dq_s[e] += ds * to_acc<A>(k_row[e]);
   }
   A* grad_q = static_cast<A*>(bp.grad_q) + (o * p.len_q + i) * dk;
@@ -238,15 +243,17 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) backward_dkdv_kernel(cons
   const A* lse = static_cast<const A*>(bp.fwd.lse) + o * p.len_q;
   const A* delta = static_cast<const A*>(bp.delta) + o * p.len_q;
 
-  // Under causal masking only queries i >= j see key j.
-  for (int64_t i = p.is_causal ? j : 0; i < p.len_q; ++i) {
+  // Only the queries whose band sees key j.
+  const A slope = static_cast<A>(alibi_slope(p, o));
+  for (int64_t i = band_query_begin(p, j); i < band_query_end(p, j + 1); ++i) {
     const T* q_row = q + i * p.q.row_stride;
     const A score = dot_row<T, A>(k_s, q_row, 1, dk, lane);
-    const BackwardElement<A> el = backward_element(p, stream, mask_base, score, lse[i], o, i, j);
+    const BackwardElement<A> el =
+        backward_element(p, stream, mask_base, slope, score, lse[i], o, i, j);
     if (el.p == A(0)) continue;  // (warp-uniform)
     const T* do_row = dout + i * bp.grad_out.row_stride;
     const A dp = dot_row<T, A>(v_s, do_row, 1, dv, lane);
-    const A ds = el.p * (dp * el.z - delta[i]) * scale;
+    const A ds = el.p * (dp * el.z - delta[i]) * el.dcap * scale;
     const A pd = el.p * el.z;
     for (int e = lane; e < dv; e += 32) dv_s[e] += pd * to_acc<A>(do_row[e]);
     for (int e = lane; e < dk; e += 32) dk_s[e] += ds * to_acc<A>(q_row[e]);
@@ -289,7 +296,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) weights_kernel(const Weig
       const T* k_row = static_cast<const T*>(p.k.data) + outer_offset(p.outer, p.k, o) + j * p.k.row_stride;
       A x = 0;
       for (int e = 0; e < dk; ++e) x += q_s[h * dk + e] * (to_acc<A>(k_row[e]));
-      if (p.is_causal && j > i) {
+      x = transformed_score(p, x, A(alibi_slope(p, o)), i, j);
+      if (!in_band(p, i, j)) {
         x = -INFINITY;
       } else if (p.mask_kind != MaskKind::None) {
         x += mask_term<A>(p, outer_offset(p.outer, p.mask, o), i, j);

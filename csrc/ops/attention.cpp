@@ -11,110 +11,99 @@
 namespace fusedmha {
 namespace {
 
+using OptTensor = std::optional<at::Tensor>;
+
+// The variants as the schemas list them (after enable_gqa / average_heads).
+#define FUSEDMHA_VARIANT_TYPES int64_t, int64_t, bool, double, const OptTensor&, const OptTensor&
+#define FUSEDMHA_VARIANT_ARGS(v) \
+  (v).window_left, (v).window_right, (v).bottom_right, (v).softcap, (v).alibi_slopes, (v).sinks
+
 using ForwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-    double, bool, std::optional<double>, bool);
-using SdpaSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                 const std::optional<at::Tensor>&, double, bool,
-                                 std::optional<double>, bool);
-
-const c10::TypedOperatorHandle<ForwardSignature>& forward_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                              .findSchemaOrThrow("fusedmha::attention_forward", "")
-                              .typed<ForwardSignature>();
-  return op;
-}
-
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, double, bool,
+    std::optional<double>, bool, FUSEDMHA_VARIANT_TYPES);
 using BackwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-    double, bool, std::optional<double>, bool);
-
-const c10::TypedOperatorHandle<BackwardSignature>& backward_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("fusedmha::attention_backward", "")
-                             .typed<BackwardSignature>();
-  return op;
-}
-
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, double, bool,
+    std::optional<double>, bool, FUSEDMHA_VARIANT_TYPES);
 using WeightsSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                    const at::Tensor&, const std::optional<at::Tensor>&, double,
-                                    bool, std::optional<double>, bool, bool);
+                                    const at::Tensor&, const OptTensor&, double, bool,
+                                    std::optional<double>, bool, bool, FUSEDMHA_VARIANT_TYPES);
+using SdpaSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                 const OptTensor&, double, bool, std::optional<double>, bool,
+                                 FUSEDMHA_VARIANT_TYPES);
 
-const c10::TypedOperatorHandle<WeightsSignature>& weights_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("fusedmha::attention_weights", "")
-                             .typed<WeightsSignature>();
-  return op;
-}
-
-const c10::TypedOperatorHandle<SdpaSignature>& sdpa_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("fusedmha::scaled_dot_product_attention", "")
-                             .typed<SdpaSignature>();
-  return op;
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> find_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
 }
 
 // fusedmha::scaled_dot_product_attention for every backend: the forward op's
 // output. Registered as CompositeImplicitAutograd, so autograd and tracing
 // see attention_forward.
 at::Tensor sdpa_composite(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                          const std::optional<at::Tensor>& attn_mask, double dropout_p,
-                          bool is_causal, std::optional<double> scale, bool enable_gqa) {
+                          const OptTensor& attn_mask, double dropout_p, bool is_causal,
+                          std::optional<double> scale, bool enable_gqa, int64_t window_left,
+                          int64_t window_right, bool bottom_right, double softcap,
+                          const OptTensor& alibi_slopes, const OptTensor& sinks) {
   // PyTorch's rule; the op itself applies both (MultiheadAttention uses that
   // for causal attention with a key padding mask).
   TORCH_CHECK(!(is_causal && attn_mask.has_value()), ops::kSdpaOp,
               ": an explicit attn_mask should not be set when is_causal=True");
+  const AttentionVariants variants{window_left, window_right, bottom_right, softcap,
+                                   alibi_slopes, sinks};
   // Checked here too, so that errors name the function the user called.
   ops::check_attention_inputs(ops::kSdpaOp, query, key, value, attn_mask,
-                              dropout_p == 1.0 ? 0.0 : dropout_p, scale, enable_gqa);
+                              dropout_p == 1.0 ? 0.0 : dropout_p, scale, enable_gqa, variants);
   if (dropout_p == 1.0) {
     // Every probability dropped, as in PyTorch: zeros (with zero gradients),
     // and the same input checks. The kernels themselves take p < 1.
-    return std::get<0>(forward_op().call(query, key, value, attn_mask, 0.0, is_causal, scale,
-                                         enable_gqa))
+    return std::get<0>(attention_forward(query, key, value, attn_mask, 0.0, is_causal, scale,
+                                         enable_gqa, variants))
         .mul(0.0);
   }
-  return std::get<0>(forward_op().call(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                                       enable_gqa));
+  return std::get<0>(attention_forward(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                       enable_gqa, variants));
 }
 
 }  // namespace
 
 at::Tensor scaled_dot_product_attention(const at::Tensor& query, const at::Tensor& key,
-                                        const at::Tensor& value,
-                                        const std::optional<at::Tensor>& attn_mask,
+                                        const at::Tensor& value, const OptTensor& attn_mask,
                                         double dropout_p, bool is_causal,
-                                        std::optional<double> scale, bool enable_gqa) {
-  return sdpa_op().call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa);
+                                        std::optional<double> scale, bool enable_gqa,
+                                        const AttentionVariants& variants) {
+  static const auto op = find_op<SdpaSignature>("fusedmha::scaled_dot_product_attention");
+  return op.call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+            FUSEDMHA_VARIANT_ARGS(variants));
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward(const at::Tensor& query,
-                                                     const at::Tensor& key,
-                                                     const at::Tensor& value,
-                                                     const std::optional<at::Tensor>& attn_mask,
-                                                     double dropout_p, bool is_causal,
-                                                     std::optional<double> scale,
-                                                     bool enable_gqa) {
-  return forward_op().call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const OptTensor& attn_mask, double dropout_p, bool is_causal, std::optional<double> scale,
+    bool enable_gqa, const AttentionVariants& variants) {
+  static const auto op = find_op<ForwardSignature>("fusedmha::attention_forward");
+  return op.call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+            FUSEDMHA_VARIANT_ARGS(variants));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
     const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
-    const at::Tensor& rng_state, const std::optional<at::Tensor>& attn_mask, double dropout_p,
-    bool is_causal, std::optional<double> scale, bool enable_gqa) {
-  return backward_op().call(grad_out, query, key, value, out, logsumexp, rng_state, attn_mask,
-                            dropout_p, is_causal, scale, enable_gqa);
+    const at::Tensor& rng_state, const OptTensor& attn_mask, double dropout_p, bool is_causal,
+    std::optional<double> scale, bool enable_gqa, const AttentionVariants& variants) {
+  static const auto op = find_op<BackwardSignature>("fusedmha::attention_backward");
+  return op.call(grad_out, query, key, value, out, logsumexp, rng_state, attn_mask, dropout_p,
+            is_causal, scale, enable_gqa, FUSEDMHA_VARIANT_ARGS(variants));
 }
 
 at::Tensor attention_weights(const at::Tensor& query, const at::Tensor& key,
                              const at::Tensor& logsumexp, const at::Tensor& rng_state,
-                             const std::optional<at::Tensor>& attn_mask, double dropout_p,
-                             bool is_causal, std::optional<double> scale, bool enable_gqa,
-                             bool average_heads) {
-  return weights_op().call(query, key, logsumexp, rng_state, attn_mask, dropout_p, is_causal,
-                           scale, enable_gqa, average_heads);
+                             const OptTensor& attn_mask, double dropout_p, bool is_causal,
+                             std::optional<double> scale, bool enable_gqa, bool average_heads,
+                             const AttentionVariants& variants) {
+  static const auto op = find_op<WeightsSignature>("fusedmha::attention_weights");
+  return op.call(query, key, logsumexp, rng_state, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+            average_heads, FUSEDMHA_VARIANT_ARGS(variants));
 }
 
 TORCH_LIBRARY_IMPL(fusedmha, CompositeImplicitAutograd, m) {

@@ -17,31 +17,65 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// The non-tensor arguments of an attention call, kept for its backward.
+// The arguments of an attention call besides its tensors q, k, v (and the
+// sinks, saved as a variable), kept for its backward.
 struct AttentionCall {
   std::optional<at::Tensor> attn_mask;
   double dropout_p;
   bool is_causal;
   std::optional<double> scale;
   bool enable_gqa;
+  AttentionVariants variants;
+
+  static c10::IValue optional(const std::optional<at::Tensor>& t) {
+    return t.has_value() ? c10::IValue(*t) : c10::IValue();
+  }
+  static std::optional<at::Tensor> optional_tensor(const c10::IValue& v) {
+    return v.isNone() ? std::nullopt : std::optional<at::Tensor>(v.toTensor());
+  }
 
   void save(AutogradContext* ctx) const {
-    ctx->saved_data["attn_mask"] = attn_mask.has_value() ? c10::IValue(*attn_mask) : c10::IValue();
+    ctx->saved_data["attn_mask"] = optional(attn_mask);
     ctx->saved_data["dropout_p"] = dropout_p;
     ctx->saved_data["is_causal"] = is_causal;
     ctx->saved_data["scale"] = scale.has_value() ? c10::IValue(*scale) : c10::IValue();
     ctx->saved_data["enable_gqa"] = enable_gqa;
+    ctx->saved_data["window_left"] = variants.window_left;
+    ctx->saved_data["window_right"] = variants.window_right;
+    ctx->saved_data["bottom_right"] = variants.bottom_right;
+    ctx->saved_data["softcap"] = variants.softcap;
+    ctx->saved_data["alibi_slopes"] = optional(variants.alibi_slopes);
+    ctx->saved_data["sinks"] = optional(variants.sinks);
   }
 
   static AttentionCall load(AutogradContext* ctx) {
-    const c10::IValue& mask = ctx->saved_data["attn_mask"];
     const c10::IValue& scale = ctx->saved_data["scale"];
-    return {mask.isNone() ? std::nullopt : std::optional<at::Tensor>(mask.toTensor()),
-            ctx->saved_data["dropout_p"].toDouble(), ctx->saved_data["is_causal"].toBool(),
+    AttentionVariants v;
+    v.window_left = ctx->saved_data["window_left"].toInt();
+    v.window_right = ctx->saved_data["window_right"].toInt();
+    v.bottom_right = ctx->saved_data["bottom_right"].toBool();
+    v.softcap = ctx->saved_data["softcap"].toDouble();
+    v.alibi_slopes = optional_tensor(ctx->saved_data["alibi_slopes"]);
+    v.sinks = optional_tensor(ctx->saved_data["sinks"]);
+    return {optional_tensor(ctx->saved_data["attn_mask"]), ctx->saved_data["dropout_p"].toDouble(),
+            ctx->saved_data["is_causal"].toBool(),
             scale.isNone() ? std::nullopt : std::optional<double>(scale.toDouble()),
-            ctx->saved_data["enable_gqa"].toBool()};
+            ctx->saved_data["enable_gqa"].toBool(), v};
   }
 };
+
+// The gradient of the sinks from a per-row term r (..., H, L), shaped like
+// lse: a sink is a logit with no value, so every row's probability of it,
+// exp(sink - lse), takes −p_sink·r: d loss / d sink = −Σ_rows p_sink·r.
+// For the output r = rowsum(dO ∘ O); for the weights r = rowsum(G ∘ W).
+at::Tensor sinks_gradient(const at::Tensor& sinks, const at::Tensor& lse,
+                          const at::Tensor& row_terms) {
+  const at::Tensor sink = lse.dim() >= 2 ? sinks.to(lse.scalar_type()).unsqueeze(-1)
+                                         : sinks.to(lse.scalar_type());
+  const at::Tensor per_row = sink.sub(lse).exp().mul(row_terms).neg();
+  const at::Tensor per_head = lse.dim() >= 2 ? per_row.sum(-1) : per_row.sum().reshape({1});
+  return at::sum_to(per_head, sinks.sizes()).to(sinks.scalar_type());
+}
 
 // Called before Function::apply, which runs forward with grad mode off.
 void check_mask_needs_no_grad(const char* op, const std::optional<at::Tensor>& attn_mask) {
@@ -56,14 +90,19 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& query,
                                const at::Tensor& key, const at::Tensor& value,
                                const std::optional<at::Tensor>& attn_mask, double dropout_p,
-                               bool is_causal, std::optional<double> scale, bool enable_gqa) {
+                               bool is_causal, std::optional<double> scale, bool enable_gqa,
+                               int64_t window_left, int64_t window_right, bool bottom_right,
+                               double softcap, const std::optional<at::Tensor>& alibi_slopes,
+                               const std::optional<at::Tensor>& sinks) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [out, lse, rng_state] = fusedmha::attention_forward(query, key, value, attn_mask,
-                                                             dropout_p, is_causal, scale,
-                                                             enable_gqa);
+    const AttentionCall call{attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                             {window_left, window_right, bottom_right, softcap, alibi_slopes,
+                              sinks}};
+    auto [out, lse, rng_state] = fusedmha::attention_forward(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, call.variants);
     ctx->mark_non_differentiable({lse, rng_state});
     ctx->save_for_backward({query, key, value, out, lse, rng_state});
-    AttentionCall{attn_mask, dropout_p, is_causal, scale, enable_gqa}.save(ctx);
+    call.save(ctx);
     return {out, lse, rng_state};
   }
 
@@ -74,8 +113,17 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     const AttentionCall call = AttentionCall::load(ctx);
     auto [dq, dk, dv] = fusedmha::attention_backward(
         grad_out, saved[0], saved[1], saved[2], out, saved[4], saved[5], call.attn_mask,
-        call.dropout_p, call.is_causal, call.scale, call.enable_gqa);
-    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+        call.dropout_p, call.is_causal, call.scale, call.enable_gqa, call.variants);
+    variable_list result(14);
+    result[0] = dq;
+    result[1] = dk;
+    result[2] = dv;
+    if (call.variants.sinks.has_value()) {
+      const auto acc = saved[4].scalar_type();
+      const at::Tensor row_terms = grad_out.to(acc).mul(out.to(acc)).sum(-1);
+      result[13] = sinks_gradient(*call.variants.sinks, saved[4], row_terms);
+    }
+    return result;
   }
 };
 
@@ -88,18 +136,21 @@ class AttentionBackwardFunction : public torch::autograd::Function<AttentionBack
                                const at::Tensor& value, const at::Tensor& out,
                                const at::Tensor& logsumexp, const at::Tensor& rng_state,
                                const std::optional<at::Tensor>& attn_mask, double dropout_p,
-                               bool is_causal, std::optional<double> scale, bool enable_gqa) {
+                               bool is_causal, std::optional<double> scale, bool enable_gqa,
+                               int64_t window_left, int64_t window_right, bool bottom_right,
+                               double softcap, const std::optional<at::Tensor>& alibi_slopes,
+                               const std::optional<at::Tensor>& sinks) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [dq, dk, dv] = fusedmha::attention_backward(grad_out, query, key, value, out, logsumexp,
-                                                     rng_state, attn_mask, dropout_p, is_causal,
-                                                     scale, enable_gqa);
+    auto [dq, dk, dv] = fusedmha::attention_backward(
+        grad_out, query, key, value, out, logsumexp, rng_state, attn_mask, dropout_p, is_causal,
+        scale, enable_gqa,
+        {window_left, window_right, bottom_right, softcap, alibi_slopes, sinks});
     return {dq, dk, dv};
   }
 
   static variable_list backward(AutogradContext*, variable_list) {
-    TORCH_CHECK(false,
-                kBackwardOp, ": double backward (differentiating its "
-                "gradients again) is not supported");
+    TORCH_CHECK(false, kBackwardOp,
+                ": double backward (differentiating its gradients again) is not supported");
   }
 };
 
@@ -117,77 +168,113 @@ class AttentionWeightsFunction : public torch::autograd::Function<AttentionWeigh
                                const at::Tensor& rng_state,
                                const std::optional<at::Tensor>& attn_mask, double dropout_p,
                                bool is_causal, std::optional<double> scale, bool enable_gqa,
-                               bool average_heads) {
+                               bool average_heads, int64_t window_left, int64_t window_right,
+                               bool bottom_right, double softcap,
+                               const std::optional<at::Tensor>& alibi_slopes,
+                               const std::optional<at::Tensor>& sinks) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    at::Tensor weights = fusedmha::attention_weights(query, key, logsumexp, rng_state, attn_mask,
-                                                     dropout_p, is_causal, scale, enable_gqa,
-                                                     average_heads);
+    const AttentionCall call{attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                             {window_left, window_right, bottom_right, softcap, alibi_slopes,
+                              sinks}};
+    at::Tensor weights =
+        fusedmha::attention_weights(query, key, logsumexp, rng_state, attn_mask, dropout_p,
+                                    is_causal, scale, enable_gqa, average_heads, call.variants);
     ctx->save_for_backward({query, key, logsumexp, rng_state});
-    AttentionCall{attn_mask, dropout_p, is_causal, scale, enable_gqa}.save(ctx);
+    call.save(ctx);
     ctx->saved_data["average_heads"] = average_heads;
     return {weights};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    variable_list result(10);
+    variable_list result(16);
     if (!grads[0].defined()) return result;
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor &query = saved[0], &key = saved[1], &lse = saved[2];
+    const auto acc = lse.scalar_type();
     const AttentionCall call = AttentionCall::load(ctx);
     auto weights_per_head = [&](double dropout_p) {
       return fusedmha::attention_weights(query, key, lse, saved[3], call.attn_mask, dropout_p,
                                          call.is_causal, call.scale, call.enable_gqa,
-                                         /*average_heads=*/false)
-          .to(lse.scalar_type());
+                                         /*average_heads=*/false, call.variants)
+          .to(acc);
     };
     const at::Tensor kept = weights_per_head(call.dropout_p);
     const at::Tensor probs = call.dropout_p > 0 ? weights_per_head(0.0) : kept;
-    at::Tensor grad = grads[0].to(lse.scalar_type());
+    at::Tensor grad = grads[0].to(acc);
     if (grad.dim() < kept.dim()) grad = grad.unsqueeze(-3).div(kept.size(-3));  // averaged heads
     const at::Tensor grad_kept = grad.mul(kept);
-    const at::Tensor grad_scores = grad_kept.sub(probs.mul(grad_kept.sum(-1, /*keepdim=*/true)))
-                                       .mul(attention_scale(query, call.scale));
+    const at::Tensor row_sums = grad_kept.sum(-1, /*keepdim=*/true);
+    // The gradient of the scores after softcap, ALiBi and masks (those add
+    // constants, or zero P).
+    at::Tensor grad_scores = grad_kept.sub(probs.mul(row_sums));
 
-    at::Tensor k = key.to(lse.scalar_type());
+    at::Tensor k = key.to(acc);
     if (key.dim() >= 3 && k.size(-3) != 1 && k.size(-3) != grad_scores.size(-3)) {
       k = k.repeat_interleave(grad_scores.size(-3) / k.size(-3), -3);  // GQA groups
     }
+    const at::Tensor q = query.to(acc);
+    const double scale = attention_scale(query, call.scale);
+    if (call.variants.softcap > 0) {
+      // s = c·tanh(r / c) of the scaled product r: ds/dr = 1 − tanh².
+      const at::Tensor t = q.matmul(k.transpose(-2, -1)).mul(scale / call.variants.softcap).tanh();
+      grad_scores = grad_scores.mul(t.mul(t).neg_().add_(1.0));
+    }
+    grad_scores = grad_scores.mul(scale);
     result[0] = reduce_to_input(grad_scores.matmul(k), query);
-    result[1] =
-        reduce_to_input(grad_scores.transpose(-2, -1).matmul(query.to(lse.scalar_type())), key);
+    result[1] = reduce_to_input(grad_scores.transpose(-2, -1).matmul(q), key);
+    if (call.variants.sinks.has_value()) {
+      result[15] = sinks_gradient(*call.variants.sinks, lse, row_sums.squeeze(-1));
+    }
     return result;
   }
 };
 
-at::Tensor attention_weights_autograd(const at::Tensor& query, const at::Tensor& key,
-                                      const at::Tensor& logsumexp, const at::Tensor& rng_state,
-                                      const std::optional<at::Tensor>& attn_mask,
-                                      double dropout_p, bool is_causal,
-                                      std::optional<double> scale, bool enable_gqa,
-                                      bool average_heads) {
+// Called before Function::apply: the slopes get no gradient.
+void check_slopes_need_no_grad(const char* op, const std::optional<at::Tensor>& alibi_slopes) {
+  TORCH_CHECK(!alibi_slopes.has_value() || !alibi_slopes->requires_grad() ||
+                  !at::GradMode::is_enabled(),
+              op, ": gradients with respect to alibi_slopes are not supported; pass "
+              "alibi_slopes.detach()");
+}
+
+at::Tensor attention_weights_autograd(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& logsumexp,
+    const at::Tensor& rng_state, const std::optional<at::Tensor>& attn_mask, double dropout_p,
+    bool is_causal, std::optional<double> scale, bool enable_gqa, bool average_heads,
+    int64_t window_left, int64_t window_right, bool bottom_right, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks) {
   check_mask_needs_no_grad(kWeightsOp, attn_mask);
+  check_slopes_need_no_grad(kWeightsOp, alibi_slopes);
   return AttentionWeightsFunction::apply(query, key, logsumexp, rng_state, attn_mask, dropout_p,
-                                         is_causal, scale, enable_gqa, average_heads)[0];
+                                         is_causal, scale, enable_gqa, average_heads,
+                                         window_left, window_right, bottom_right, softcap,
+                                         alibi_slopes, sinks)[0];
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_autograd(
     const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
     const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
     const at::Tensor& rng_state, const std::optional<at::Tensor>& attn_mask, double dropout_p,
-    bool is_causal, std::optional<double> scale, bool enable_gqa) {
-  auto grads = AttentionBackwardFunction::apply(grad_out, query, key, value, out, logsumexp,
-                                                rng_state, attn_mask, dropout_p, is_causal, scale,
-                                                enable_gqa);
+    bool is_causal, std::optional<double> scale, bool enable_gqa, int64_t window_left,
+    int64_t window_right, bool bottom_right, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks) {
+  auto grads = AttentionBackwardFunction::apply(
+      grad_out, query, key, value, out, logsumexp, rng_state, attn_mask, dropout_p, is_causal,
+      scale, enable_gqa, window_left, window_right, bottom_right, softcap, alibi_slopes, sinks);
   return {grads[0], grads[1], grads[2]};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_autograd(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
-    std::optional<double> scale, bool enable_gqa) {
+    std::optional<double> scale, bool enable_gqa, int64_t window_left, int64_t window_right,
+    bool bottom_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& sinks) {
   check_mask_needs_no_grad(kForwardOp, attn_mask);
+  check_slopes_need_no_grad(kForwardOp, alibi_slopes);
   auto outputs = AttentionFunction::apply(query, key, value, attn_mask, dropout_p, is_causal,
-                                          scale, enable_gqa);
+                                          scale, enable_gqa, window_left, window_right,
+                                          bottom_right, softcap, alibi_slopes, sinks);
   return {outputs[0], outputs[1], outputs[2]};
 }
 

@@ -25,6 +25,38 @@ void check_saved_state(const char* op, const at::Tensor& query, const at::Tensor
               "), got ", logsumexp.scalar_type(), " of shape ", shape_str(logsumexp.sym_sizes()));
 }
 
+// A per-head tensor (alibi_slopes, sinks): floating, on the query's device,
+// its dims broadcastable to the outer shape's last `max_dims` dims (batch
+// dims..., heads), the heads dim present.
+void check_per_head(const char* op, const char* name, const char* expected,
+                    const at::Tensor& query, const at::Tensor& t,
+                    const std::vector<c10::SymInt>& outer, int64_t max_dims) {
+  TORCH_CHECK(at::isFloatingType(t.scalar_type()), op, ": expected ", name,
+              " of a floating dtype, got ", t.scalar_type());
+  TORCH_CHECK(t.device() == query.device(), op, ": expected ", name, " on the query's device (",
+              query.device(), "), got ", t.device());
+  bool ok = t.dim() >= 1 && t.dim() <= std::min<int64_t>(max_dims, outer.size()) &&
+            t.sym_size(-1) == outer.back();
+  for (int64_t i = 2; ok && i <= t.dim(); ++i) {
+    ok = t.sym_size(-i) == 1 || t.sym_size(-i) == outer[outer.size() - i];
+  }
+  TORCH_CHECK(ok, op, ": expected ", name, " of shape ", expected, " with H = ", outer.back(),
+              " query heads, got ", shape_str(t.sym_sizes()));
+}
+
+void check_variants(const char* op, const at::Tensor& query,
+                    const std::vector<c10::SymInt>& outer, const AttentionVariants& v) {
+  TORCH_CHECK(v.window_left >= -1 && v.window_right >= -1, op,
+              ": window sizes must be >= -1 (-1 = unbounded), got (", v.window_left, ", ",
+              v.window_right, ")");
+  TORCH_CHECK(std::isfinite(v.softcap) && v.softcap >= 0.0, op,
+              ": softcap must be a finite number >= 0 (0 = off), got ", v.softcap);
+  if (v.alibi_slopes.has_value()) {
+    check_per_head(op, "alibi_slopes", "(H) or (B, H)", query, *v.alibi_slopes, outer, 2);
+  }
+  if (v.sinks.has_value()) check_per_head(op, "sinks", "(H)", query, *v.sinks, outer, 1);
+}
+
 }  // namespace
 
 void check_attention_inputs(const char* op,
@@ -34,7 +66,8 @@ void check_attention_inputs(const char* op,
                             const std::optional<at::Tensor>& attn_mask,
                             double dropout_p,
                             std::optional<double> scale,
-                            bool enable_gqa) {
+                            bool enable_gqa,
+                            const AttentionVariants& variants) {
   TORCH_CHECK(query.dim() >= 2 && key.dim() >= 2 && value.dim() >= 2, op,
               ": expected query (..., L, E), key (..., S, E) and value (..., S, Ev) to have at "
               "least 2 dims, got query.dim()=", query.dim(), ", key.dim()=", key.dim(),
@@ -84,6 +117,7 @@ void check_attention_inputs(const char* op,
     TORCH_CHECK(std::isfinite(*scale) && *scale >= 0.0, op,
                 ": scale must be a finite number >= 0, got ", *scale);
   }
+  check_variants(op, query, outer, variants);
 }
 
 void check_attention_backward_inputs(const char* op,
@@ -97,8 +131,10 @@ void check_attention_backward_inputs(const char* op,
                                      const std::optional<at::Tensor>& attn_mask,
                                      double dropout_p,
                                               std::optional<double> scale,
-                                     bool enable_gqa) {
-  check_attention_inputs(op, query, key, value, attn_mask, dropout_p, scale, enable_gqa);
+                                     bool enable_gqa,
+                                     const AttentionVariants& variants) {
+  check_attention_inputs(op, query, key, value, attn_mask, dropout_p, scale, enable_gqa,
+                         variants);
   check_saved_state(op, query, key, value, logsumexp, rng_state, enable_gqa);
   const at::Tensor expected_out = std::get<0>(allocate_attention_outputs(
       query.to(at::kMeta), key.to(at::kMeta), value.to(at::kMeta), enable_gqa));
@@ -121,8 +157,9 @@ void check_attention_weights_inputs(const char* op,
                                     const std::optional<at::Tensor>& attn_mask,
                                     double dropout_p,
                                             std::optional<double> scale,
-                                    bool enable_gqa) {
-  check_attention_inputs(op, query, key, key, attn_mask, dropout_p, scale, enable_gqa);
+                                    bool enable_gqa,
+                                    const AttentionVariants& variants) {
+  check_attention_inputs(op, query, key, key, attn_mask, dropout_p, scale, enable_gqa, variants);
   check_saved_state(op, query, key, key, logsumexp, rng_state, enable_gqa);
 }
 

@@ -7,6 +7,8 @@
 // bad argument. Works on symbolic sizes, so the Meta kernels run it under
 // torch.compile.
 
+#include <fusedmha/attention.h>
+
 #include <ATen/core/Tensor.h>
 
 #include <optional>
@@ -21,7 +23,9 @@ inline constexpr const char* kSdpaOp = "fusedmha.scaled_dot_product_attention";
 
 // query (..., L, E), key (..., S, E), value (..., S, Ev): dtypes, devices,
 // matching dims, broadcastable batch/head dims (or GQA), attn_mask dtype and
-// shape, dropout_p in [0, 1), scale finite and >= 0.
+// shape, dropout_p in [0, 1), scale finite and >= 0, and the variants: window
+// bounds >= -1, softcap finite and >= 0, alibi_slopes (H) or (B, H) and sinks
+// (H), floating, on the query's device.
 void check_attention_inputs(const char* op,
                             const at::Tensor& query,
                             const at::Tensor& key,
@@ -29,7 +33,8 @@ void check_attention_inputs(const char* op,
                             const std::optional<at::Tensor>& attn_mask,
                             double dropout_p,
                             std::optional<double> scale,
-                            bool enable_gqa);
+                            bool enable_gqa,
+                            const AttentionVariants& variants);
 
 // check_attention_inputs, plus: grad_out and out of the forward output's
 // shape and the query's dtype, logsumexp and rng_state as attention_forward
@@ -45,7 +50,8 @@ void check_attention_backward_inputs(const char* op,
                                      const std::optional<at::Tensor>& attn_mask,
                                      double dropout_p,
                                      std::optional<double> scale,
-                                     bool enable_gqa);
+                                     bool enable_gqa,
+                                     const AttentionVariants& variants);
 
 // For the weights pass: check_attention_inputs (key standing in for value),
 // plus logsumexp and rng_state as attention_forward returned them.
@@ -57,6 +63,7 @@ void check_attention_weights_inputs(const char* op,
                                     const std::optional<at::Tensor>& attn_mask,
                                     double dropout_p,
                                     std::optional<double> scale,
-                                    bool enable_gqa);
+                                    bool enable_gqa,
+                                    const AttentionVariants& variants);
 
 }  // namespace fusedmha::ops

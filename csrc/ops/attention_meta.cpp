@@ -12,21 +12,27 @@
 namespace fusedmha::ops {
 namespace {
 
+using OptTensor = std::optional<at::Tensor>;
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_meta(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-    const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
-    std::optional<double> scale, bool enable_gqa) {
-  check_attention_inputs(kForwardOp, query, key, value, attn_mask, dropout_p, scale, enable_gqa);
+    const OptTensor& attn_mask, double dropout_p, bool is_causal, std::optional<double> scale,
+    bool enable_gqa, int64_t window_left, int64_t window_right, bool bottom_right,
+    double softcap, const OptTensor& alibi_slopes, const OptTensor& sinks) {
+  check_attention_inputs(kForwardOp, query, key, value, attn_mask, dropout_p, scale, enable_gqa,
+                         {window_left, window_right, bottom_right, softcap, alibi_slopes, sinks});
   return allocate_attention_outputs(query, key, value, enable_gqa);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_meta(
     const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
     const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
-    const at::Tensor& rng_state, const std::optional<at::Tensor>& attn_mask, double dropout_p,
-    bool is_causal, std::optional<double> scale, bool enable_gqa) {
-  check_attention_backward_inputs(kBackwardOp, grad_out, query, key, value, out, logsumexp,
-                                  rng_state, attn_mask, dropout_p, scale, enable_gqa);
+    const at::Tensor& rng_state, const OptTensor& attn_mask, double dropout_p, bool is_causal,
+    std::optional<double> scale, bool enable_gqa, int64_t window_left, int64_t window_right,
+    bool bottom_right, double softcap, const OptTensor& alibi_slopes, const OptTensor& sinks) {
+  check_attention_backward_inputs(
+      kBackwardOp, grad_out, query, key, value, out, logsumexp, rng_state, attn_mask, dropout_p,
+      scale, enable_gqa, {window_left, window_right, bottom_right, softcap, alibi_slopes, sinks});
   // Contiguous, in the inputs' shapes and dtypes, as the real kernels return them.
   return {at::empty_symint(query.sym_sizes(), query.options()),
           at::empty_symint(key.sym_sizes(), key.options()),
@@ -35,11 +41,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_meta(
 
 at::Tensor attention_weights_meta(const at::Tensor& query, const at::Tensor& key,
                                   const at::Tensor& logsumexp, const at::Tensor& rng_state,
-                                  const std::optional<at::Tensor>& attn_mask, double dropout_p,
-                                  bool is_causal, std::optional<double> scale, bool enable_gqa,
-                                  bool average_heads) {
-  check_attention_weights_inputs(kWeightsOp, query, key, logsumexp, rng_state, attn_mask,
-                                 dropout_p, scale, enable_gqa);
+                                  const OptTensor& attn_mask, double dropout_p, bool is_causal,
+                                  std::optional<double> scale, bool enable_gqa,
+                                  bool average_heads, int64_t window_left, int64_t window_right,
+                                  bool bottom_right, double softcap,
+                                  const OptTensor& alibi_slopes, const OptTensor& sinks) {
+  check_attention_weights_inputs(
+      kWeightsOp, query, key, logsumexp, rng_state, attn_mask, dropout_p, scale, enable_gqa,
+      {window_left, window_right, bottom_right, softcap, alibi_slopes, sinks});
   return allocate_attention_weights(query, key, enable_gqa, average_heads);
 }
 

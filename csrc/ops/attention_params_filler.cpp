@@ -39,7 +39,7 @@ at::Tensor last_dim_contiguous(const at::Tensor& t) {
 AttentionCall::AttentionCall(const char* op, const at::Tensor& query, const at::Tensor& key,
                              const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
                              bool is_causal, std::optional<double> scale, bool enable_gqa,
-                             RowLayout layout)
+                             const AttentionVariants& variants, RowLayout layout)
     : query_(query), layout_(layout) {
   for (const c10::SymInt& s : attention_outer_shape(op, query, key, value, enable_gqa)) {
     outer_shape_.push_back(s.expect_int());
@@ -68,7 +68,20 @@ AttentionCall::AttentionCall(const char* op, const at::Tensor& query, const at::
     p.mask_kind = mask_kind_of(*attn_mask, query);
   }
   p.scale = attention_scale(query, scale);
-  p.is_causal = is_causal;
+  p.softcap = variants.softcap;
+  p.diagonal_offset = variants.bottom_right ? p.len_kv - p.len_q : 0;
+  p.window_left = variants.window_left;
+  p.window_right = is_causal ? 0 : variants.window_right;  // causal: nothing right of the diagonal
+  if (variants.alibi_slopes.has_value()) p.alibi_slopes = describe_per_head(*variants.alibi_slopes);
+  if (variants.sinks.has_value()) p.sinks = describe_per_head(*variants.sinks);
+}
+
+Matrix AttentionCall::describe_per_head(const at::Tensor& t) {
+  // (..., H) read as (..., H, 1, 1): one "matrix" of one element per head.
+  kept_.push_back(t.to(at::kDouble).contiguous());
+  std::vector<int64_t> shape(kept_.back().sizes().begin(), kept_.back().sizes().end());
+  shape.insert(shape.end(), {1, 1});
+  return describe(kept_.back().view(shape));
 }
 
 Matrix AttentionCall::describe(const at::Tensor& t) const {

@@ -6,6 +6,8 @@
 
 #include "common/attention_params.h"
 
+#include <fusedmha/attention.h>
+
 #include <ATen/core/Tensor.h>
 
 #include <optional>
@@ -49,7 +51,7 @@ class AttentionCall {
   AttentionCall(const char* op, const at::Tensor& query, const at::Tensor& key,
                 const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
                 bool is_causal, std::optional<double> scale, bool enable_gqa,
-                RowLayout layout = last_dim_contiguous);
+                const AttentionVariants& variants, RowLayout layout = last_dim_contiguous);
 
   // The forward pass writing out and lse (as allocate_attention_outputs
   // made them). Dropout is left off: the backend draws its stream.
@@ -76,6 +78,8 @@ class AttentionCall {
   Matrix describe(const at::Tensor& t) const;
   // describe(t) after the row layout (any copy kept alive).
   Matrix describe_in_layout(const at::Tensor& t);
+  // A per-head tensor (alibi_slopes, sinks) as one float64 per outer index.
+  Matrix describe_per_head(const at::Tensor& t);
   // The dropout stream a forward call drew (rng_state as it returned it);
   // off when dropout_p is 0.
   DropoutParams replay_dropout(const at::Tensor& rng_state, double dropout_p);

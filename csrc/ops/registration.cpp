@@ -4,6 +4,12 @@
 
 #include <torch/library.h>
 
+// The variants every attention op takes after SDPA's arguments, keyword-only
+// (fusedmha::AttentionVariants in <fusedmha/attention.h> says what each means).
+#define VARIANTS                                                                          \
+  "*, int window_left=-1, int window_right=-1, bool bottom_right=False, float softcap=0.0, " \
+  "Tensor? alibi_slopes=None, Tensor? sinks=None"
+
 TORCH_LIBRARY(fusedmha, m) {
   // The fused forward: output (..., H, L, Ev), the log-sum-exp of each
   // query row's scaled, masked scores (..., H, L), and the dropout stream's
@@ -14,15 +20,16 @@ TORCH_LIBRARY(fusedmha, m) {
   // is_causal: both apply.
   m.def(
       "attention_forward(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, "
-      "float dropout_p=0.0, bool is_causal=False, float? scale=None, bool enable_gqa=False) "
-      "-> (Tensor output, Tensor logsumexp, Tensor rng_state)");
+      "float dropout_p=0.0, bool is_causal=False, float? scale=None, bool enable_gqa=False, "
+      VARIANTS ") -> (Tensor output, Tensor logsumexp, Tensor rng_state)");
   // Gradients of attention_forward's output with respect to query, key and
   // value (a float attn_mask gets none), recomputed tile by tile from the
   // saved output and log-sum-exp.
   m.def(
       "attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, "
       "Tensor logsumexp, Tensor rng_state, Tensor? attn_mask, float dropout_p, bool is_causal, "
-      "float? scale, bool enable_gqa) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value)");
+      "float? scale, bool enable_gqa, " VARIANTS
+      ") -> (Tensor grad_query, Tensor grad_key, Tensor grad_value)");
   // The attention probabilities softmax(scale·Q·Kᵀ + mask) of a forward call,
   // recomputed from its log-sum-exp, with its dropout applied (rng_state and
   // dropout_p as given to and returned by attention_forward): (..., H, L, S),
@@ -30,7 +37,7 @@ TORCH_LIBRARY(fusedmha, m) {
   m.def(
       "attention_weights(Tensor query, Tensor key, Tensor logsumexp, Tensor rng_state, "
       "Tensor? attn_mask=None, float dropout_p=0.0, bool is_causal=False, float? scale=None, "
-      "bool enable_gqa=False, bool average_heads=False) -> Tensor");
+      "bool enable_gqa=False, bool average_heads=False, " VARIANTS ") -> Tensor");
   // Private test hook, not API: the dropout keep-mask (outer, len_q,
   // len_kv) that a call with this rng_state and dropout_p applies (outer =
   // batch dims x heads), so tests can build the exact reference.
@@ -51,5 +58,7 @@ TORCH_LIBRARY(fusedmha, m) {
   m.def(
       "scaled_dot_product_attention(Tensor query, Tensor key, Tensor value, "
       "Tensor? attn_mask=None, float dropout_p=0.0, bool is_causal=False, float? scale=None, "
-      "bool enable_gqa=False) -> Tensor");
+      "bool enable_gqa=False, " VARIANTS ") -> Tensor");
 }
+
+#undef VARIANTS

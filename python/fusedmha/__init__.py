@@ -3,6 +3,7 @@
     import fusedmha
     out = fusedmha.scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False)
     mha = fusedmha.MultiheadAttention(embed_dim, num_heads, batch_first=True)  # nn.MultiheadAttention's contract
+    out = fusedmha.flash_attn_func(q, k, v, causal=True, window_size=(4096, 0))  # flash_attn 2's API
 
 Importing the package loads the native library, which registers the ops
 under ``torch.ops.fusedmha``.
@@ -29,6 +30,11 @@ if _major_minor(torch.__version__) != _major_minor(_BUILT_TORCH_VERSION):
     )
 
 from fusedmha import _C  # noqa: E402  (loads libfusedmha: registers torch.ops.fusedmha)
+from fusedmha.flash_attn import (  # noqa: E402
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+)
 from fusedmha.functional import scaled_dot_product_attention  # noqa: E402
 from fusedmha.modules import MultiheadAttention  # noqa: E402
 
@@ -38,4 +44,12 @@ def build_info() -> dict:
     return _C.build_info()
 
 
-__all__ = ["scaled_dot_product_attention", "MultiheadAttention", "build_info", "__version__"]
+__all__ = [
+    "scaled_dot_product_attention",
+    "MultiheadAttention",
+    "flash_attn_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_kvpacked_func",
+    "build_info",
+    "__version__",
+]

@@ -66,8 +66,11 @@ TEST(Dispatcher, CallByName) {
                       .findSchemaOrThrow("fusedmha::scaled_dot_product_attention", "")
                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                         const std::optional<at::Tensor>&, double, bool,
-                                        std::optional<double>, bool)>();
-  const auto out = op.call(q, k, v, std::nullopt, 0.0, false, std::nullopt, false);
+                                        std::optional<double>, bool, int64_t, int64_t, bool,
+                                        double, const std::optional<at::Tensor>&,
+                                        const std::optional<at::Tensor>&)>();
+  const auto out = op.call(q, k, v, std::nullopt, 0.0, false, std::nullopt, false, -1, -1, false,
+                           0.0, std::nullopt, std::nullopt);
   EXPECT_TRUE(torch::equal(out, fusedmha::scaled_dot_product_attention(q, k, v)));
 }
 

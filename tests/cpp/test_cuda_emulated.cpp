@@ -4,7 +4,8 @@
 // backward for every head-dim group and both 16-bit types, and the simple
 // kernels, across lengths that are not multiples of the tiles, causal
 // masking with L != S, bool/float masks with broadcasting, GQA, strided
-// rows, dropout (the common/philox.h stream) and rows with nothing to see.
+// rows, dropout (the common/philox.h stream), rows with nothing to see, and
+// the variants: bottom-right causal, sliding windows, softcap, ALiBi, sinks.
 //
 // Built without torch (plain C++ and the CUDA headers), so it is quick to
 // compile, and it runs wherever the CUDA toolkit is installed, GPU or not.
@@ -31,12 +32,28 @@ struct Case {
   int mask = 0;  // 0 none, 1 bool (B,1,L,S) with an empty row, 2 float (S,) row
   double dropout = 0.0;
   int row_pad = 0;  // extra elements per row of q/k/v/dO (rows stay multiples of 8 long)
+  // The variants (common/attention_params.h).
+  int window_left = -1, window_right = -1;
+  bool bottom_right = false;
+  double softcap = 0.0;
+  bool alibi = false, sinks = false;
+  std::string variants() const {
+    std::string v;
+    if (window_left >= 0 || window_right >= 0) {
+      v += " window(" + std::to_string(window_left) + "," + std::to_string(window_right) + ")";
+    }
+    if (bottom_right) v += " bottom-right";
+    if (softcap > 0) v += " softcap";
+    if (alibi) v += " alibi";
+    if (sinks) v += " sinks";
+    return v;
+  }
   std::string name() const {
     return "B" + std::to_string(B) + " H" + std::to_string(H) + "/" + std::to_string(Hkv) +
            " L" + std::to_string(L) + " S" + std::to_string(S) + " E" + std::to_string(E) +
            "/" + std::to_string(Ev) + (causal ? " causal" : "") +
            (mask == 1 ? " bool-mask" : mask == 2 ? " float-mask" : "") +
-           (dropout > 0 ? " dropout" : "") + (row_pad ? " strided" : "");
+           (dropout > 0 ? " dropout" : "") + (row_pad ? " strided" : "") + variants();
   }
 };
 
@@ -103,12 +120,27 @@ struct Problem {
   DropoutStream stream{0x1234567890abcdefull, 42};
   uint32_t threshold = 0;
 
+  std::vector<double> slopes, sinks;  // per head
   bool visible(int b, int i, int j) const {
-    if (c.causal && j > i) return false;
+    const int d = i + (c.bottom_right ? c.S - c.L : 0);
+    const int right = c.causal ? 0 : c.window_right;
+    if (right >= 0 && j > d + right) return false;
+    if (c.window_left >= 0 && j < d - c.window_left) return false;
     if (c.mask == 1 && !bool_mask[(size_t(b) * c.L + i) * c.S + j]) return false;
     return true;
   }
   double mask_add(int j) const { return c.mask == 2 ? float_mask[j] : 0.0; }
+  // softcap then ALiBi on x = scale·q·k; *dcap = d/dx.
+  double transform(double x, int h, int i, int j, double* dcap) const {
+    *dcap = 1.0;
+    if (c.softcap > 0) {
+      const double t = std::tanh(x / c.softcap);
+      x = c.softcap * t;
+      *dcap = 1 - t * t;
+    }
+    if (c.alibi) x -= slopes[h] * std::abs(i + (c.bottom_right ? c.S - c.L : 0) - j);
+    return x;
+  }
   double keep(int o, int i, int j) const {
     if (c.dropout <= 0) return 1.0;
     return dropout_keeps(o, i, j) ? 1.0 / (1.0 - c.dropout) : 0.0;
@@ -143,17 +175,19 @@ Reference reference(const Problem& pr) {
       auto V = [&](int j, int e) { return pr.v[((size_t(b) * c.Hkv + hk) * c.S + j) * c.Ev + e]; };
       auto dO = [&](int i, int e) { return pr.dout[((size_t(b) * c.H + h) * c.L + i) * c.Ev + e]; };
       for (int i = 0; i < c.L; ++i) {
-        std::vector<double> s(c.S, -INFINITY), p(c.S, 0.0);
-        double m = -INFINITY;
+        std::vector<double> s(c.S, -INFINITY), p(c.S, 0.0), dcap(c.S, 1.0);
+        // A sink is a score with no value in the denominator.
+        const double sink = c.sinks ? double(pr.sinks[h]) : -INFINITY;
+        double m = sink;
         for (int j = 0; j < c.S; ++j) {
           if (!pr.visible(b, i, j)) continue;
           double x = 0;
           for (int e = 0; e < c.E; ++e) x += Q(i, e) * K(j, e);
-          s[j] = x * pr.scale + pr.mask_add(j);
+          s[j] = pr.transform(x * pr.scale, h, i, j, &dcap[j]) + pr.mask_add(j);
           m = std::max(m, s[j]);
         }
         if (m == -INFINITY) continue;  // nothing to attend to: 0, lse +inf, no gradient
-        double l = 0;
+        double l = c.sinks ? std::exp(sink - m) : 0.0;
         for (int j = 0; j < c.S; ++j) l += (p[j] = s[j] == -INFINITY ? 0.0 : std::exp(s[j] - m));
         for (double& x : p) x /= l;
         r.lse[size_t(o) * c.L + i] = m + std::log(l);
@@ -171,7 +205,7 @@ Reference reference(const Problem& pr) {
           double x = 0;
           for (int e = 0; e < c.Ev; ++e) x += dO(i, e) * V(j, e);
           dp[j] = x * pr.keep(o, i, j);
-          const double ds = p[j] * (dp[j] - delta) * pr.scale;
+          const double ds = p[j] * (dp[j] - delta) * dcap[j] * pr.scale;
           for (int e = 0; e < c.E; ++e) {
             r.dq[(size_t(o) * c.L + i) * c.E + e] += ds * K(j, e);
             r.dk[(size_t(o) * c.S + j) * c.E + e] += ds * Q(i, e);
@@ -242,6 +276,10 @@ void run_case(const Case& c, Kernels kernels) {
   pr.float_mask.resize(c.S);
   for (auto& m : pr.float_mask) m = u(rng);
   pr.threshold = c.dropout > 0 ? dropout_threshold(c.dropout) : 0;
+  for (int h = 0; h < c.H; ++h) {
+    pr.slopes.push_back(0.25 / (h + 1));
+    pr.sinks.push_back(h - 0.5);
+  }
   const Reference ref = reference(pr);
 
   AttentionParams p;
@@ -272,7 +310,19 @@ void run_case(const Case& c, Kernels kernels) {
     p.mask.col_stride = 1;
   }
   p.scale = pr.scale;
-  p.is_causal = c.causal;
+  p.softcap = c.softcap;
+  p.diagonal_offset = c.bottom_right ? c.S - c.L : 0;
+  p.window_left = c.window_left;
+  p.window_right = c.causal ? 0 : c.window_right;
+  // One float per head: (1, H, 1, 1) broadcast over the batch.
+  auto per_head = [&](std::vector<double>& values) {
+    Matrix m;
+    m.data = values.data();
+    m.outer_stride[1] = 1;
+    return m;
+  };
+  if (c.alibi) p.alibi_slopes = per_head(pr.slopes);
+  if (c.sinks) p.sinks = per_head(pr.sinks);
   int64_t rng_state[2] = {-1, -1};
   if (c.dropout > 0) {
     p.dropout.p = c.dropout;
@@ -401,6 +451,17 @@ std::vector<Case> cases() {
   c = base; c.L = 5; c.S = 0; all.push_back(c);          // no keys: output 0, lse +inf
   c = base; c.L = 65; c.S = 200; c.E = c.Ev = 128; c.causal = true; c.dropout = 0.2; all.push_back(c);
   c = base; c.H = 1; c.Hkv = 1; c.L = 66; c.S = 70; c.E = c.Ev = 256; c.mask = 1; all.push_back(c);
+  // The variants, alone and together.
+  c = base; c.causal = true; c.bottom_right = true; c.alibi = true; all.push_back(c);  // L < S
+  c = base; c.L = 130; c.S = 70; c.causal = true; c.bottom_right = true; c.sinks = true;
+  all.push_back(c);                                      // L > S: the first rows see no key
+  c = base; c.window_left = 32; c.window_right = 0; c.softcap = 5.0; all.push_back(c);
+  c = base; c.window_left = 20; c.window_right = 10; c.bottom_right = true; c.mask = 2;
+  c.dropout = 0.2; all.push_back(c);
+  c = base; c.H = 4; c.Hkv = 2; c.softcap = 2.0; c.dropout = 0.3; c.sinks = true; c.mask = 1;
+  all.push_back(c);                                      // an empty row with a sink
+  c = base; c.L = 65; c.S = 200; c.E = c.Ev = 128; c.window_left = 40; c.window_right = 3;
+  c.softcap = 8.0; c.alibi = true; c.sinks = true; all.push_back(c);
   return all;
 }
 

@@ -135,6 +135,57 @@ def reference_attention(q, k, v, attn_mask=None, is_causal=False, scale=None, en
     return probs @ v
 
 
+def reference_variants(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
+                       keep=None, dropout_p=0.0, window_left=-1, window_right=-1,
+                       bottom_right=False, softcap=0.0, alibi_slopes=None, sinks=None):
+    """Attention with FlashAttention's variants in float64, differentiable: (output,
+    log-sum-exp, probabilities). The pipeline of fusedmha's kernels: s = scale·q·kᵀ →
+    softcap·tanh(s / softcap) → −slope·|d − j| → the band d − window_left <= j <= d +
+    window_right (window_right 0 when causal) and the mask → softmax with the sink in the
+    denominator → dropout → ·v; d = i (+ S − L when bottom_right). A row with nothing to
+    attend to (and no sink) gives 0 and lse +inf."""
+    q, k, v = q.double(), k.double(), v.double()
+    if enable_gqa and q.dim() >= 3:
+        k = k.repeat_interleave(q.size(-3) // k.size(-3), dim=-3)
+        v = v.repeat_interleave(q.size(-3) // v.size(-3), dim=-3)
+    scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
+    scores = (q @ k.transpose(-2, -1)) * scale
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    L, S = q.size(-2), k.size(-2)
+    i = torch.arange(L, device=scores.device).unsqueeze(-1)
+    j = torch.arange(S, device=scores.device)
+    diagonal = i + (S - L if bottom_right else 0)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.double().to(scores.device)[..., None, None]
+        scores = scores - slopes * (diagonal - j).abs()
+    right = 0 if is_causal else window_right
+    allowed = torch.ones(L, S, dtype=torch.bool, device=scores.device)
+    if right >= 0:
+        allowed &= j <= diagonal + right
+    if window_left >= 0:
+        allowed &= j >= diagonal - window_left
+    scores = scores.masked_fill(~allowed, NEG_INF)
+    if attn_mask is not None:
+        attn_mask = attn_mask.to(scores.device)
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, NEG_INF)
+        else:
+            scores = scores + attn_mask.double()
+    if sinks is not None:
+        sink = sinks.double().to(scores.device)[:, None, None].expand(*scores.shape[:-1], 1)
+        lse = torch.logsumexp(torch.cat([scores, sink], dim=-1), dim=-1, keepdim=True)
+        probs = torch.exp(scores - lse)
+    else:
+        attends = (scores > NEG_INF).any(dim=-1, keepdim=True)
+        safe = torch.where(attends, scores, torch.zeros_like(scores))
+        lse = torch.where(attends, torch.logsumexp(safe, dim=-1, keepdim=True),
+                          torch.full_like(attends, math.inf, dtype=scores.dtype))
+        probs = torch.softmax(safe, dim=-1) * attends
+    kept = probs if keep is None else probs * keep.to(probs.device) / (1 - dropout_p)
+    return kept @ v, lse.squeeze(-1), probs
+
+
 def reference_logsumexp(q, k, scale=None):
     """The log-sum-exp of each query's scaled scores in float64 (no mask): the kernels'
     logsumexp output."""

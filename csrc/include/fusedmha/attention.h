@@ -9,7 +9,33 @@
 
 namespace fusedmha {
 
-// Same signature and meaning as at::scaled_dot_product_attention:
+// What fusedmha's attention takes beyond scaled_dot_product_attention's
+// arguments: FlashAttention's variants, all off by default. Every forward,
+// backward and weights call takes them, so a backward must be given the
+// forward's.
+struct AttentionVariants {
+  // The sliding window (FlashAttention's window_size): query i sees keys j
+  // with d - window_left <= j <= d + window_right around its diagonal d;
+  // -1 is unbounded. is_causal sets window_right to 0.
+  int64_t window_left = -1;
+  int64_t window_right = -1;
+  // The diagonal: d = i (false: top-left, SDPA's is_causal) or
+  // d = i + S - L (true: bottom-right, FlashAttention's causal). Also the
+  // diagonal ALiBi measures from.
+  bool bottom_right = false;
+  // > 0: a score s becomes softcap * tanh(s / softcap), after scaling and
+  // before masks and softmax (Gemma 2).
+  double softcap = 0.0;
+  // (H) or (B, H), floating: -slope * |d - j| is added to score (i, j)
+  // (BLOOM, MPT). No gradient.
+  std::optional<at::Tensor> alibi_slopes;
+  // (H): a logit per head that joins each row's softmax denominator and
+  // carries no value (gpt-oss's sinks). Differentiable.
+  std::optional<at::Tensor> sinks;
+};
+
+// Same signature and meaning as at::scaled_dot_product_attention (plus the
+// variants above):
 // query (..., H, L, E), key (..., H_kv, S, E), value (..., H_kv, S, Ev);
 // attn_mask bool (true = may attend) or float (added to the scores),
 // broadcastable to (..., H, L, S); is_causal is top-left aligned; scale
@@ -24,7 +50,8 @@ FUSEDMHA_API at::Tensor scaled_dot_product_attention(
     double dropout_p = 0.0,
     bool is_causal = false,
     std::optional<double> scale = std::nullopt,
-    bool enable_gqa = false);
+    bool enable_gqa = false,
+    const AttentionVariants& variants = {});
 
 // The forward op itself (fusedmha::attention_forward): returns the output,
 // the per-row log-sum-exp of the scaled, masked scores, shape (..., H, L),
@@ -40,12 +67,15 @@ FUSEDMHA_API std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward(
     double dropout_p = 0.0,
     bool is_causal = false,
     std::optional<double> scale = std::nullopt,
-    bool enable_gqa = false);
+    bool enable_gqa = false,
+    const AttentionVariants& variants = {});
 
 // The backward op (fusedmha::attention_backward): gradients with respect to
 // query, key and value, given the gradient of the output and what
 // attention_forward returned. Autograd calls it; it is public for tests and
-// for custom autograd code.
+// for custom autograd code. (The sinks' gradient is
+// -sum over rows of exp(sink - logsumexp) * rowsum(grad_out * out), which
+// autograd adds.)
 FUSEDMHA_API std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& grad_out,
     const at::Tensor& query,
@@ -58,7 +88,8 @@ FUSEDMHA_API std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     double dropout_p = 0.0,
     bool is_causal = false,
     std::optional<double> scale = std::nullopt,
-    bool enable_gqa = false);
+    bool enable_gqa = false,
+    const AttentionVariants& variants = {});
 
 // The attention weights of a forward call (fusedmha::attention_weights):
 // softmax(scale·Q·Kᵀ + mask) recomputed from the logsumexp and rng_state
@@ -77,6 +108,7 @@ FUSEDMHA_API at::Tensor attention_weights(
     bool is_causal = false,
     std::optional<double> scale = std::nullopt,
     bool enable_gqa = false,
-    bool average_heads = false);
+    bool average_heads = false,
+    const AttentionVariants& variants = {});
 
 }  // namespace fusedmha
