@@ -228,7 +228,8 @@ WorkSplit configure(BackwardParams& bp, int64_t threads) {
   const AttentionParams& p = bp.fwd;
   WorkSplit split;
   split.block_q = std::min(kBlockQ, round_up(std::max<int64_t>(p.len_q, 1), nr));
-  split.block_kv = work_block(p.len_kv, p.num_outer, threads, kMicroRows, kMaxBlockKV);
+  split.block_kv =
+      band_block(p, work_block(p.len_kv, p.num_outer, threads, kMicroRows, kMaxBlockKV), kMicroRows);
   // Enough sets of key blocks that every thread gets about two items; each
   // set beyond the first costs a (len_q × E) slice of dQ per outer index,
   // so with many outer indices there is one set (no extra memory).

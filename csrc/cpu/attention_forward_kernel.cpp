@@ -198,8 +198,9 @@ template <typename acc_t>
 WorkSplit configure(const AttentionParams& p, int64_t threads) {
   constexpr int64_t nr = panel_width<acc_t>();
   WorkSplit split;
-  split.block_q = std::min(work_block(p.len_q, p.num_outer, threads, nr, kMaxBlockQ),
-                           round_up(std::max<int64_t>(p.len_q, 1), nr));
+  split.block_q = band_block(p, std::min(work_block(p.len_q, p.num_outer, threads, nr, kMaxBlockQ),
+                                          round_up(std::max<int64_t>(p.len_q, 1), nr)),
+                             nr);
   split.block_kv = std::min(kBlockKV, std::max<int64_t>(p.len_kv, 1));
   split.items = p.num_outer * div_up(p.len_q, split.block_q);
   Arena<acc_t> counter(nullptr);

@@ -55,16 +55,90 @@ constexpr int64_t panel_width() { return 2 * Vectorized<acc_t>::size(); }
 template <typename acc_t>
 constexpr acc_t neg_inf() { return -std::numeric_limits<acc_t>::infinity(); }
 
-// c[M × 2 vectors] (+)= a[M × n] · b[n × 2 vectors], b's row t at b + t·b_step.
+// tanh(x / 2) = 1 − 2 / (exp(x) + 1). For float lanes, written out so that
+// softcap costs a fraction of the score GEMM: x is clamped to ±20 (tanh is
+// ±1 to float precision there, and NaN stays NaN), exp is 2^n · p(r) with
+// r = x − n·ln 2 in ±ln2/2 and p its Taylor polynomial of degree 6
+// (relative error 1e-7), and the reciprocal is the hardware estimate with
+// Newton steps. Elsewhere: the library's exp and a division.
+template <typename acc_t>
+Vectorized<acc_t> tanh_of_half(const Vectorized<acc_t>& x_in) {
+  using Vec = Vectorized<acc_t>;
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<acc_t, float>) {
+#if defined(CPU_CAPABILITY_AVX512)
+    using V = __m512;
+#define FMH_(op) _mm512_##op
+#else
+    using V = __m256;
+#define FMH_(op) _mm256_##op
+#endif
+    const V two = FMH_(set1_ps)(2.0f), one = FMH_(set1_ps)(1.0f);
+    // (max/min return their second operand when one is NaN.)
+    const V x = FMH_(min_ps)(FMH_(set1_ps)(20.0f), FMH_(max_ps)(FMH_(set1_ps)(-20.0f), V(x_in)));
+    const V scaled = FMH_(mul_ps)(x, FMH_(set1_ps)(1.44269504f));  // x·log2(e)
+#if defined(CPU_CAPABILITY_AVX512)
+    const V n = _mm512_roundscale_ps(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+    const V n = _mm256_round_ps(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#endif
+    V r = FMH_(fnmadd_ps)(n, FMH_(set1_ps)(0.693145752f), x);  // ln 2, high bits
+    r = FMH_(fnmadd_ps)(n, FMH_(set1_ps)(1.42860677e-6f), r);  // ln 2, the rest
+    V p = FMH_(fmadd_ps)(FMH_(set1_ps)(1.0f / 720), r, FMH_(set1_ps)(1.0f / 120));
+    p = FMH_(fmadd_ps)(p, r, FMH_(set1_ps)(1.0f / 24));
+    p = FMH_(fmadd_ps)(p, r, FMH_(set1_ps)(1.0f / 6));
+    p = FMH_(fmadd_ps)(p, r, FMH_(set1_ps)(0.5f));
+    p = FMH_(fmadd_ps)(p, r, one);
+    p = FMH_(fmadd_ps)(p, r, one);
+#if defined(CPU_CAPABILITY_AVX512)
+    const V d = FMH_(add_ps)(_mm512_scalef_ps(p, n), one);  // exp(x) + 1
+    V inv = _mm512_rcp14_ps(d);                              // 14 bits
+#else
+    const __m256i bits = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    const V d = FMH_(fmadd_ps)(p, _mm256_castsi256_ps(bits), one);  // exp(x) + 1
+    V inv = _mm256_rcp_ps(d);                                       // 12 bits
+    inv = FMH_(mul_ps)(inv, FMH_(fnmadd_ps)(d, inv, two));
+#endif
+    inv = FMH_(mul_ps)(inv, FMH_(fnmadd_ps)(d, inv, two));  // float precision
+    return Vec(FMH_(fnmadd_ps)(two, inv, one));
+#undef FMH_
+  }
+#endif
+  const Vec one(acc_t(1));
+  return one - Vec(acc_t(2)) / (x_in.exp() + one);
+}
+
+
+// What the score GEMM does to each vector of results before storing it:
+// nothing, or the softcap s → c·tanh(s / c), while the scores are still in
+// registers (one pass over the tile fewer).
+struct NoEpilogue {
+  template <typename Vec>
+  Vec operator()(const Vec& s) const { return s; }
+};
+
+template <typename acc_t>
+struct SoftcapEpilogue {
+  Vectorized<acc_t> cap, two_over_cap;
+  explicit SoftcapEpilogue(acc_t c) : cap(c), two_over_cap(acc_t(2) / c) {}
+  Vectorized<acc_t> operator()(const Vectorized<acc_t>& s) const {
+    return tanh_of_half(s * two_over_cap) * cap;
+  }
+};
+
+// c[M × 2 vectors] (+)= a[M × n] · b[n × 2 vectors], b's row t at b + t·b_step,
+// each result vector passed through the epilogue ep before it is stored.
 // The a operand comes two ways, both read in place:
 //  - kRowsOfA: row i of a is a + i·lda (e.g. Sᵀ = K·Qᵀ with a = rows of K)
 //  - otherwise a is given by its columns: element (i, t) at a[t·lda + i]
 //    (e.g. O += P·V with P held as Pᵀ).
 // Always inlined: compiled out of line, GCC keeps the accumulator arrays in
 // memory (a store per FMA pair) instead of registers.
-template <typename acc_t, int64_t M, bool kRowsOfA, bool kAccumulate>
-__attribute__((always_inline)) inline void microkernel(const acc_t* a, int64_t lda, const acc_t* b, int64_t b_step, int64_t n,
-                        acc_t* c, int64_t ldc) {
+template <typename acc_t, int64_t M, bool kRowsOfA, bool kAccumulate, typename Epilogue>
+__attribute__((always_inline)) inline void microkernel(const acc_t* a, int64_t lda, const acc_t* b,
+                                                       int64_t b_step, int64_t n, acc_t* c,
+                                                       int64_t ldc, const Epilogue& ep) {
   using Vec = Vectorized<acc_t>;
   constexpr int64_t w = Vec::size();
   Vec c0[M], c1[M];
@@ -85,27 +159,34 @@ __attribute__((always_inline)) inline void microkernel(const acc_t* a, int64_t l
   }
 #pragma GCC unroll 16
   for (int64_t i = 0; i < M; ++i) {
-    c0[i].store(c + i * ldc);
-    c1[i].store(c + i * ldc + w);
+    ep(c0[i]).store(c + i * ldc);
+    ep(c1[i]).store(c + i * ldc + w);
   }
 }
 
 // The same for any row count m <= kMicroRows (the tail of a block).
-template <typename acc_t, bool kRowsOfA, bool kAccumulate, int64_t M = kMicroRows>
+template <typename acc_t, bool kRowsOfA, bool kAccumulate, typename Epilogue,
+          int64_t M = kMicroRows>
 inline void microkernel_rows(int64_t m, const acc_t* a, int64_t lda, const acc_t* b,
-                             int64_t b_step, int64_t n, acc_t* c, int64_t ldc) {
+                             int64_t b_step, int64_t n, acc_t* c, int64_t ldc,
+                             const Epilogue& ep) {
   if constexpr (M > 0) {
-    if (m == M) return microkernel<acc_t, M, kRowsOfA, kAccumulate>(a, lda, b, b_step, n, c, ldc);
-    return microkernel_rows<acc_t, kRowsOfA, kAccumulate, M - 1>(m, a, lda, b, b_step, n, c, ldc);
+    if (m == M) {
+      return microkernel<acc_t, M, kRowsOfA, kAccumulate>(a, lda, b, b_step, n, c, ldc, ep);
+    }
+    return microkernel_rows<acc_t, kRowsOfA, kAccumulate, Epilogue, M - 1>(m, a, lda, b, b_step,
+                                                                           n, c, ldc, ep);
   }
 }
 
 // c[m × ncols] (+)= a[m × n] · b[n × ncols] with ncols a multiple of the panel
 // width, as a grid of micro-kernel calls. b_panel(col) gives the start of the
 // column panel at col, and its rows are b_step apart.
-template <typename acc_t, bool kRowsOfA, bool kAccumulate, typename BPanel>
+template <typename acc_t, bool kRowsOfA, bool kAccumulate, typename BPanel,
+          typename Epilogue = NoEpilogue>
 inline void gemm(int64_t m, int64_t ncols, int64_t n, const acc_t* a, int64_t lda,
-                 BPanel b_panel, int64_t b_step, acc_t* c, int64_t ldc) {
+                 BPanel b_panel, int64_t b_step, acc_t* c, int64_t ldc,
+                 const Epilogue& ep = {}) {
   constexpr int64_t nr = panel_width<acc_t>();
   // Column panels outermost: one panel of b stays in L1 while every row of
   // a passes over it.
@@ -114,7 +195,7 @@ inline void gemm(int64_t m, int64_t ncols, int64_t n, const acc_t* a, int64_t ld
     for (int64_t i = 0; i < m; i += kMicroRows) {
       const acc_t* ai = kRowsOfA ? a + i * lda : a + i;
       microkernel_rows<acc_t, kRowsOfA, kAccumulate>(std::min(kMicroRows, m - i), ai, lda, b,
-                                                     b_step, n, c + i * ldc + col, ldc);
+                                                     b_step, n, c + i * ldc + col, ldc, ep);
     }
   }
 }
@@ -198,6 +279,16 @@ inline int64_t work_block(int64_t len, int64_t outer, int64_t threads, int64_t g
   const int64_t per_row = div_up(4 * std::max<int64_t>(threads, 1), std::max<int64_t>(outer, 1));
   const int64_t block = round_up(div_up(std::max<int64_t>(len, 1), per_row), granule);
   return std::clamp(block, granule, max_block);
+}
+
+// A block length no larger than an eighth of a sliding window's band (when
+// both sides are bounded): a block of b queries computes about (band + b)
+// keys for the band·b it needs, so b = band/8 keeps that 89% useful; a
+// multiple of granule, at least one.
+inline int64_t band_block(const AttentionParams& p, int64_t block, int64_t granule) {
+  if (p.window_left < 0 || p.window_right < 0) return block;
+  const int64_t band = p.window_left + p.window_right + 1;
+  return std::clamp(band / 8 / granule * granule, granule, block);
 }
 
 // Carves a thread's scratch memory into arrays; with a null base it only
@@ -293,21 +384,30 @@ class TileReader {
   }
 
   // Sᵀ = K·(scale·Q)ᵀ for keys k (ldk apart) and the packed query panels qt.
+  // With softcap, the scores come out capped (the GEMM's epilogue).
   void scores(const acc_t* k, int64_t ldk, int64_t cols, const acc_t* qt, int64_t bq,
               acc_t* st) const {
     const int64_t d = p_.dim_qk;
-    gemm<acc_t, /*kRowsOfA=*/true, /*kAccumulate=*/false>(
-        cols, bq, d, k, ldk, [&](int64_t c) { return qt + c * d; }, nr, st, bq);
+    auto q_panel = [&](int64_t c) { return qt + c * d; };
+    if (p_.softcap > 0) {
+      const SoftcapEpilogue<acc_t> cap(static_cast<acc_t>(p_.softcap));
+      gemm<acc_t, /*kRowsOfA=*/true, /*kAccumulate=*/false>(cols, bq, d, k, ldk, q_panel, nr, st,
+                                                            bq, cap);
+    } else {
+      gemm<acc_t, /*kRowsOfA=*/true, /*kAccumulate=*/false>(cols, bq, d, k, ldk, q_panel, nr, st,
+                                                            bq);
+    }
   }
 
-  // The score pipeline after the product, on the transposed scores st (row
-  // j = key k0 + j, bq query lanes, queries q0..q0+rows): softcap, ALiBi, the
-  // band (causal, sliding window), the explicit mask. With softcap and dcap
-  // given, dcap gets each element's d(capped)/d(score) = 1 − tanh², laid out
-  // like st (the backward's chain rule). mt is scratch of w × round_up(cols, w).
+  // The rest of the score pipeline on the (capped) transposed scores st of
+  // scores() (row j = key k0 + j, bq query lanes, queries q0..q0+rows): ALiBi,
+  // the band (causal, sliding window), the explicit mask. With softcap and
+  // dcap given, dcap first gets each element's d(capped)/d(score) = 1 − tanh²
+  // = 1 − (capped / c)², laid out like st (the backward's chain rule). mt is
+  // scratch of w × round_up(cols, w).
   void transform_scores(int64_t o, int64_t q0, int64_t rows, int64_t bq, int64_t k0,
                         int64_t cols, acc_t* st, acc_t* mt, acc_t* dcap = nullptr) const {
-    if (p_.softcap > 0) apply_softcap(cols * bq, st, dcap);
+    if (p_.softcap > 0 && dcap) softcap_derivative(cols * bq, st, dcap);
     if (p_.alibi_slopes.data) apply_alibi(o, q0, bq, k0, cols, st);
     if (has_band(p_)) apply_band(q0, rows, bq, k0, cols, st);
     switch (p_.mask_kind) {
@@ -399,17 +499,12 @@ class TileReader {
   }
 
  private:
-  // s → c·tanh(s / c) over n elements, with tanh(y) = 1 − 2 / (exp(2y) + 1):
-  // the fast exp keeps this to a few vector operations per element, and its
-  // error is absolute (about c·1e-7), like the rounding of a score of size c.
-  void apply_softcap(int64_t n, acc_t* st, acc_t* dcap) const {
-    const acc_t c = static_cast<acc_t>(p_.softcap);
-    const Vec vc(c), two_over_c(acc_t(2) / c), one(acc_t(1)), two(acc_t(2));
+  // dcap = 1 − (s / c)² over n capped scores s = c·tanh(·).
+  void softcap_derivative(int64_t n, const acc_t* st, acc_t* dcap) const {
+    const Vec inv_c(acc_t(1) / static_cast<acc_t>(p_.softcap)), one(acc_t(1));
     for (int64_t t = 0; t < n; t += w) {
-      const Vec e = (Vec::loadu(st + t) * two_over_c).exp_u20();
-      const Vec tanh = one - two / (e + one);
-      (tanh * vc).store(st + t);
-      if (dcap) (one - tanh * tanh).store(dcap + t);
+      const Vec tanh = Vec::loadu(st + t) * inv_c;
+      (one - tanh * tanh).store(dcap + t);
     }
   }
 

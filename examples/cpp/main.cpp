@@ -104,9 +104,14 @@ int main(int argc, char** argv) {
                       .findSchemaOrThrow("fusedmha::scaled_dot_product_attention", "")
                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                         const std::optional<at::Tensor>&, double, bool,
-                                        std::optional<double>, bool)>();
+                                        std::optional<double>, bool, int64_t, int64_t, bool,
+                                        double, const std::optional<at::Tensor>&,
+                                        const std::optional<at::Tensor>&)>();
   const auto q = torch::randn({2, 4, 16, 32}, device);
-  const auto by_name = op.call(q, q, q, std::nullopt, 0.0, true, std::nullopt, false);
+  // The schema's arguments: SDPA's, then the variants (window, alignment,
+  // softcap, ALiBi slopes, sinks), here all off.
+  const auto by_name = op.call(q, q, q, std::nullopt, 0.0, true, std::nullopt, false, -1, -1,
+                               false, 0.0, std::nullopt, std::nullopt);
   const auto reference = at::scaled_dot_product_attention(q, q, q, {}, 0.0, true);
   ok &= check(torch::allclose(by_name, reference, 1e-5, 1e-5), "op called through the dispatcher");
 
