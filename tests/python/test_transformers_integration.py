@@ -106,3 +106,102 @@ def test_set_attn_implementation_and_dropout():
     with torch.no_grad():
         torch.testing.assert_close(model(ids, attention_mask=mask).logits,
                                    model(ids, attention_mask=mask).logits)
+
+
+# Small random models of the families that use attention variants: sliding windows (all of
+# them), softcap (Gemma 2), sinks (gpt-oss's s_aux). Sequences of 20 tokens with windows of 8,
+# so the windows bite.
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, head_dim=16)
+FAMILIES = {
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               dict(sliding_window=8, attn_logit_softcapping=5.0, final_logit_softcapping=None,
+                    query_pre_attn_scalar=16)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM",
+              dict(sliding_window=8, use_sliding_window=True, max_window_layers=1,
+                   layer_types=["sliding_attention", "full_attention"])),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(sliding_window=8, num_local_experts=4, num_experts_per_tok=2,
+                     layer_types=["sliding_attention", "full_attention"],
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+}
+
+
+def family_model(family, impl):
+    config_name, model_name, extra = FAMILIES[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_name)(**COMMON, **extra)
+    model = getattr(transformers, model_name)._from_config(config, attn_implementation=impl)
+    if family == "gpt_oss":
+        with torch.no_grad():  # sinks initialise to zero: make them matter
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_()
+    return model
+
+
+def family_batch(padded):
+    torch.manual_seed(2)
+    ids = torch.randint(0, 128, (3, 20))
+    mask = torch.ones(3, 20, dtype=torch.long)
+    if padded:
+        mask[1, :6] = 0  # left padding
+    return ids, mask
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_variant_families_match_eager(family, padded, monkeypatch):
+    """Logits, and the loss and every gradient of a training step, as "eager" computes them;
+    without padding the sliding layers run the window in the kernel (no dense mask)."""
+    ids, mask = family_batch(padded)
+    calls = []
+    sdpa = fusedmha.scaled_dot_product_attention
+    monkeypatch.setattr(fusedmha, "scaled_dot_product_attention",
+                        lambda *a, **kw: calls.append(kw) or sdpa(*a, **kw))
+    # Padded positions are left out of the loss: a query with nothing to attend to gets 0
+    # here and a uniform average in "eager" (a documented difference).
+    # (Position p predicts token p + 1: both must be real tokens.)
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, 1:] = labels[:, 1:].masked_fill(mask[:, :-1] == 0, -100)
+    results = {}
+    for impl in ("fusedmha", "eager"):
+        model = family_model(family, impl).train()
+        out = model(ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        results[impl] = (out.logits.detach(), out.loss.detach(),
+                         {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    (logits, loss, grads), (ref_logits, ref_loss, ref_grads) = results["fusedmha"], results["eager"]
+    valid = mask.bool()[..., None]
+    torch.testing.assert_close(logits * valid, ref_logits * valid, atol=3e-5, rtol=1e-4)
+    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], atol=3e-5, rtol=1e-3,
+                                   msg=lambda m: f"{name}: {m}")
+    windows = [kw.get("window_left", -1) for kw in calls]
+    if not padded:
+        assert 7 in windows, "the sliding layers should take the kernel's window"
+    if family == "gpt_oss":
+        assert all(kw.get("sinks") is not None for kw in calls)
+    if family == "gemma2":
+        assert all(kw.get("softcap") == 5.0 for kw in calls)
+
+
+@pytest.mark.parametrize("family", ["mistral", "gpt_oss"])
+def test_variant_families_generate_like_eager(family):
+    """Greedy decoding past the window with a KV cache: one query against a growing cache."""
+    ids, _ = family_batch(False)
+    out = {impl: family_model(family, impl).eval().generate(ids[:1, :12], max_new_tokens=12,
+                                                             do_sample=False)
+           for impl in ("fusedmha", "eager")}
+    assert torch.equal(out["fusedmha"], out["eager"])
+
+
+@pytest.mark.parametrize("name", ["position_bias", "head_mask", "cu_seq_lens_q"])
+def test_arguments_that_would_change_the_result_are_refused(name):
+    from fusedmha.integrations.transformers import fusedmha_attention_forward
+
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match=f"does not support .*`{name}`"):
+        fusedmha_attention_forward(torch.nn.Module(), q, q, q, None, **{name: torch.zeros(1)})

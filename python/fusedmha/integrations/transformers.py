@@ -5,21 +5,59 @@
     # or: model.set_attn_implementation("fusedmha")
 
 Registered through transformers' public AttentionInterface (the attention call) and
-AttentionMaskInterface (masks built as for "sdpa": bool, True = may attend, which is
-fusedmha's meaning too). Covers what models pass: padding and causal masks, the causal flag,
-dropout, scaling, grouped-query attention (num_key_value_groups: K/V are not repeated) and
-transformers' (batch, heads, seq, head_dim) layout.
+AttentionMaskInterface (masks as for "sdpa": bool, True = may attend, which is fusedmha's
+meaning too). Covers what models pass: padding and causal masks, the causal flag, dropout,
+scaling, grouped-query attention (num_key_value_groups: K/V are not repeated), transformers'
+(batch, heads, seq, head_dim) layout, and the variants some models use: sliding windows
+(Mistral, Qwen2, Gemma 2, gpt-oss), softcap (Gemma 2) and attention sinks (gpt-oss's s_aux).
+An argument that would change the result and that fusedmha cannot honour raises an error.
 """
 
 from typing import Optional, Tuple
 
 import torch
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, prepare_padding_mask, sdpa_mask
 
 import fusedmha
 
 NAME = "fusedmha"
+
+# Keyword arguments some models pass that change the attention's result and that this
+# backend does not implement: an error, never silently different numbers.
+_UNSUPPORTED = {
+    "position_bias": "relative position biases (T5-style)",
+    "head_mask": "head masks",
+    "cu_seq_lens_q": "packed sequences (cu_seq_lens_q/k)",
+    "cu_seq_lens_k": "packed sequences (cu_seq_lens_q/k)",
+    "max_length_q": "packed sequences (max_length_q/k)",
+    "max_length_k": "packed sequences (max_length_q/k)",
+}
+
+
+def fusedmha_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                  attention_mask=None, local_size=None, allow_is_causal_skip=True, **kwargs):
+    """transformers' "sdpa" mask, except for a sliding-window causal layer whose window bites
+    (kv_length >= the window), with no padding and its queries the last q_length positions:
+    then no mask (None), and the attention call applies the causal band in the kernel, which
+    skips the key blocks outside it instead of reading a dense L×S mask."""
+    if (
+        local_size is not None
+        and allow_is_causal_skip
+        and kv_length >= local_size
+        and isinstance(q_offset, int)
+        and isinstance(kv_offset, int)
+        and q_offset - kv_offset == kv_length - q_length
+        and not torch.compiler.is_compiling()
+    ):
+        padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
+        if padding is None or bool(padding.all()):
+            return None
+    call = dict(kwargs, local_size=local_size, allow_is_causal_skip=allow_is_causal_skip)
+    if mask_function is not None:
+        call["mask_function"] = mask_function
+    return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset,
+                     attention_mask=attention_mask, **call)
 
 
 def fusedmha_attention_forward(
@@ -31,27 +69,38 @@ def fusedmha_attention_forward(
     dropout: float = 0.0,
     scaling: Optional[float] = None,
     is_causal: Optional[bool] = None,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    s_aux: Optional[torch.Tensor] = None,
     **kwargs,
 ) -> Tuple[torch.Tensor, None]:
     """transformers' attention signature: query (B, H, L, D), key/value (B, H_kv, S, D);
     returns the output as (B, L, H, D) and no weights (as "sdpa")."""
-    if kwargs.get("softcap") is not None:
-        raise ValueError("fusedmha attention does not support `softcap`; use attn_implementation='eager'")
-    if kwargs.get("position_bias") is not None:
-        raise ValueError("fusedmha attention does not support `position_bias`; use attn_implementation='sdpa'")
+    for name, what in _UNSUPPORTED.items():
+        if kwargs.get(name) is not None:
+            raise ValueError(f"fusedmha attention does not support {what} (`{name}`); "
+                             "use attn_implementation='eager' or 'sdpa'")
     q_length, kv_length = query.shape[2], key.shape[2]
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
-    # transformers passes the causal mask itself when it has one (padding, caches); the
-    # flag only stands for it when there is no mask.
-    is_causal = bool(is_causal) and q_length > 1 and attention_mask is None
-    if is_causal and kv_length > q_length:
-        # Prefill into an empty static cache: the keys past the queries are unused slots,
-        # and top-left causal masking would read them.
-        key, value = key[:, :, :q_length], value[:, :, :q_length]
+    variants = dict(softcap=float(softcap or 0.0), sinks=s_aux)
+    causal = bool(is_causal) and attention_mask is None
+    if causal and sliding_window is not None and kv_length >= sliding_window:
+        # fusedmha_mask left this sliding-window layer to the kernel: its queries are the
+        # last q_length positions, so the band is causal, bottom-right aligned, and reaches
+        # sliding_window - 1 keys back (transformers' window counts the diagonal).
+        variants.update(bottom_right=True, window_left=sliding_window - 1)
+    elif causal:
+        # transformers passes the causal mask itself when it has one (padding, caches); the
+        # flag only stands for it when there is no mask, with SDPA's (top-left) alignment.
+        causal = q_length > 1
+        if causal and kv_length > q_length:
+            # Prefill into an empty static cache: the keys past the queries are unused
+            # slots, and top-left causal masking would read them.
+            key, value = key[:, :, :q_length], value[:, :, :q_length]
     out = fusedmha.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=is_causal,
-        scale=scaling, enable_gqa=query.shape[1] != key.shape[1],
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=causal,
+        scale=scaling, enable_gqa=query.shape[1] != key.shape[1], **variants,
     )
     return out.transpose(1, 2).contiguous(), None
 
@@ -59,7 +108,7 @@ def fusedmha_attention_forward(
 def register() -> None:
     """Registers "fusedmha" with transformers (done on import; idempotent)."""
     AttentionInterface.register(NAME, fusedmha_attention_forward)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
+    AttentionMaskInterface.register(NAME, fusedmha_mask)
 
 
 register()
