@@ -45,3 +45,10 @@ def test_cuda_benchmark_runs_or_says_no_gpu():
         assert "fusedmha / flash" in res.stdout and "MHA L" in res.stdout, res.stdout
     else:
         assert "no CUDA GPU" in res.stdout, res.stdout
+
+
+def test_variants_benchmark_smoke_run():
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_variants_cpu.py"), "--quick"],
+                         capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    assert res.returncode == 0, res.stderr
+    assert "window is" in res.stdout and "softcap" in res.stdout and "sinks" in res.stdout, res.stdout
