@@ -179,9 +179,13 @@ FUSEDMHA_HOST_DEVICE double sink_logit(const AttentionParams& p, int64_t o) {
 struct BackwardParams {
   AttentionParams fwd;  // fwd.out and fwd.lse: what the forward returned
   Matrix grad_out;
-  // rowsum(grad_out ∘ out) per row, (num_outer, len_q) acc_t; the CUDA
-  // host computes it; null on the CPU, whose kernels compute it per block.
+  // rowsum(grad_out ∘ out) − grad_lse per row, (num_outer, len_q) acc_t;
+  // the CUDA host computes it; null on the CPU, whose kernels compute it per
+  // block.
   const void* delta = nullptr;
+  // The gradient of the log-sum-exp, (num_outer, len_q) acc_t, or null: it
+  // adds grad_lse·P to the scores' gradient, i.e. subtracts from D.
+  const void* grad_lse = nullptr;
   void* grad_q = nullptr;
   int64_t grad_q_splits = 1;
   void* grad_k = nullptr;

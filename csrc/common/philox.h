@@ -14,7 +14,10 @@
 #if defined(__CUDACC__)
 #define FUSEDMHA_HOST_DEVICE __host__ __device__ __forceinline__
 #else
-#define FUSEDMHA_HOST_DEVICE inline
+// Always inlined: the CPU kernels are compiled once per ISA level, and an
+// out-of-line copy emitted by the AVX-512 objects could be the one the
+// linker keeps for baseline callers (tests/cpp checks that none is emitted).
+#define FUSEDMHA_HOST_DEVICE inline __attribute__((always_inline))
 #endif
 
 namespace fusedmha {

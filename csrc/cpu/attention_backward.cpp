@@ -19,15 +19,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
     const at::Tensor& rng_state, const std::optional<at::Tensor>& attn_mask, double dropout_p,
     bool is_causal, std::optional<double> scale, bool enable_gqa, int64_t window_left, int64_t window_right, bool bottom_right,
     double softcap, const std::optional<at::Tensor>& alibi_slopes,
-    const std::optional<at::Tensor>& sinks) {
+    const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& grad_logsumexp) {
   const AttentionVariants variants{window_left, window_right, bottom_right, softcap,
                                    alibi_slopes, sinks};
   ops::check_attention_backward_inputs(ops::kBackwardOp, grad_out, query, key, value, out,
                                        logsumexp, rng_state, attn_mask, dropout_p, scale,
                                        enable_gqa, variants);
+  ops::check_grad_logsumexp(ops::kBackwardOp, grad_logsumexp, logsumexp);
   ops::AttentionCall call(ops::kBackwardOp, query, key, value, attn_mask, is_causal, scale,
                           enable_gqa, variants);
-  BackwardParams bp = call.backward(grad_out, out, logsumexp, rng_state, dropout_p);
+  BackwardParams bp =
+      call.backward(grad_out, out, logsumexp, rng_state, dropout_p, grad_logsumexp);
 
   const IsaKernels kernels = selected_kernels();
   const WorkSplit split = kernels.backward_configure(bp, available_threads());

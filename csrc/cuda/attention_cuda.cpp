@@ -153,9 +153,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
     const at::Tensor& rng_state, const std::optional<at::Tensor>& attn_mask, double dropout_p,
     bool is_causal, std::optional<double> scale, bool enable_gqa, int64_t window_left, int64_t window_right, bool bottom_right,
     double softcap, const std::optional<at::Tensor>& alibi_slopes,
-    const std::optional<at::Tensor>& sinks) {
+    const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& grad_logsumexp) {
   const AttentionVariants variants{window_left, window_right, bottom_right, softcap,
                                    alibi_slopes, sinks};
+  ops::check_grad_logsumexp(ops::kBackwardOp, grad_logsumexp, logsumexp);
   ops::check_attention_backward_inputs(ops::kBackwardOp, grad_out, query, key, value, out,
                                        logsumexp, rng_state, attn_mask, dropout_p, scale,
                                        enable_gqa, variants);
@@ -165,9 +166,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
                           enable_gqa, variants, row_layout(tensor_cores));
   BackwardParams bp = call.backward(grad_out, out, logsumexp, rng_state, dropout_p);
   check_launch_size(bp.fwd);
-  // D = rowsum(dO ∘ O), in the accumulation dtype.
+  // D = rowsum(dO ∘ O) − grad_lse, in the accumulation dtype.
   const auto acc = logsumexp.scalar_type();
-  const at::Tensor delta = grad_out.to(acc).mul(out.to(acc)).sum(-1).contiguous();
+  at::Tensor delta = grad_out.to(acc).mul(out.to(acc)).sum(-1);
+  if (grad_logsumexp.has_value()) delta = delta.sub(grad_logsumexp->to(acc));
+  delta = delta.contiguous();
   bp.delta = delta.const_data_ptr();
   // One dQ slice: the tensor-core backward sums into it with atomics, the
   // simple one writes each row once.

@@ -24,7 +24,7 @@ using ForwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
 using BackwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, double, bool,
-    std::optional<double>, bool, FUSEDMHA_VARIANT_TYPES);
+    std::optional<double>, bool, FUSEDMHA_VARIANT_TYPES, const OptTensor&);
 using WeightsSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                     const at::Tensor&, const OptTensor&, double, bool,
                                     std::optional<double>, bool, bool, FUSEDMHA_VARIANT_TYPES);
@@ -74,7 +74,7 @@ at::Tensor scaled_dot_product_attention(const at::Tensor& query, const at::Tenso
                                         const AttentionVariants& variants) {
   static const auto op = find_op<SdpaSignature>("fusedmha::scaled_dot_product_attention");
   return op.call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-            FUSEDMHA_VARIANT_ARGS(variants));
+                 FUSEDMHA_VARIANT_ARGS(variants));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward(
@@ -83,17 +83,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward(
     bool enable_gqa, const AttentionVariants& variants) {
   static const auto op = find_op<ForwardSignature>("fusedmha::attention_forward");
   return op.call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-            FUSEDMHA_VARIANT_ARGS(variants));
+                 FUSEDMHA_VARIANT_ARGS(variants));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
     const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
     const at::Tensor& rng_state, const OptTensor& attn_mask, double dropout_p, bool is_causal,
-    std::optional<double> scale, bool enable_gqa, const AttentionVariants& variants) {
+    std::optional<double> scale, bool enable_gqa, const AttentionVariants& variants,
+    const OptTensor& grad_logsumexp) {
   static const auto op = find_op<BackwardSignature>("fusedmha::attention_backward");
   return op.call(grad_out, query, key, value, out, logsumexp, rng_state, attn_mask, dropout_p,
-            is_causal, scale, enable_gqa, FUSEDMHA_VARIANT_ARGS(variants));
+                 is_causal, scale, enable_gqa, FUSEDMHA_VARIANT_ARGS(variants), grad_logsumexp);
 }
 
 at::Tensor attention_weights(const at::Tensor& query, const at::Tensor& key,
@@ -102,8 +103,8 @@ at::Tensor attention_weights(const at::Tensor& query, const at::Tensor& key,
                              std::optional<double> scale, bool enable_gqa, bool average_heads,
                              const AttentionVariants& variants) {
   static const auto op = find_op<WeightsSignature>("fusedmha::attention_weights");
-  return op.call(query, key, logsumexp, rng_state, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-            average_heads, FUSEDMHA_VARIANT_ARGS(variants));
+  return op.call(query, key, logsumexp, rng_state, attn_mask, dropout_p, is_causal, scale,
+                 enable_gqa, average_heads, FUSEDMHA_VARIANT_ARGS(variants));
 }
 
 TORCH_LIBRARY_IMPL(fusedmha, CompositeImplicitAutograd, m) {

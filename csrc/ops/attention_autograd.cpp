@@ -100,7 +100,9 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
                               sinks}};
     auto [out, lse, rng_state] = fusedmha::attention_forward(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, call.variants);
-    ctx->mark_non_differentiable({lse, rng_state});
+    // The log-sum-exp is differentiable (a merge of partial results weighs by
+    // it); the rng state is not.
+    ctx->mark_non_differentiable({rng_state});
     ctx->save_for_backward({query, key, value, out, lse, rng_state});
     call.save(ctx);
     return {out, lse, rng_state};
@@ -111,16 +113,19 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     const at::Tensor& out = saved[3];
     const at::Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(out);
     const AttentionCall call = AttentionCall::load(ctx);
+    const std::optional<at::Tensor> grad_lse =
+        grads[1].defined() ? std::optional<at::Tensor>(grads[1]) : std::nullopt;
     auto [dq, dk, dv] = fusedmha::attention_backward(
         grad_out, saved[0], saved[1], saved[2], out, saved[4], saved[5], call.attn_mask,
-        call.dropout_p, call.is_causal, call.scale, call.enable_gqa, call.variants);
+        call.dropout_p, call.is_causal, call.scale, call.enable_gqa, call.variants, grad_lse);
     variable_list result(14);
     result[0] = dq;
     result[1] = dk;
     result[2] = dv;
     if (call.variants.sinks.has_value()) {
       const auto acc = saved[4].scalar_type();
-      const at::Tensor row_terms = grad_out.to(acc).mul(out.to(acc)).sum(-1);
+      at::Tensor row_terms = grad_out.to(acc).mul(out.to(acc)).sum(-1);
+      if (grad_lse.has_value()) row_terms = row_terms.sub(grad_lse->to(acc));
       result[13] = sinks_gradient(*call.variants.sinks, saved[4], row_terms);
     }
     return result;
@@ -139,12 +144,13 @@ class AttentionBackwardFunction : public torch::autograd::Function<AttentionBack
                                bool is_causal, std::optional<double> scale, bool enable_gqa,
                                int64_t window_left, int64_t window_right, bool bottom_right,
                                double softcap, const std::optional<at::Tensor>& alibi_slopes,
-                               const std::optional<at::Tensor>& sinks) {
+                               const std::optional<at::Tensor>& sinks,
+                               const std::optional<at::Tensor>& grad_logsumexp) {
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [dq, dk, dv] = fusedmha::attention_backward(
         grad_out, query, key, value, out, logsumexp, rng_state, attn_mask, dropout_p, is_causal,
-        scale, enable_gqa,
-        {window_left, window_right, bottom_right, softcap, alibi_slopes, sinks});
+        scale, enable_gqa, {window_left, window_right, bottom_right, softcap, alibi_slopes, sinks},
+        grad_logsumexp);
     return {dq, dk, dv};
   }
 
@@ -257,10 +263,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_autograd(
     const at::Tensor& rng_state, const std::optional<at::Tensor>& attn_mask, double dropout_p,
     bool is_causal, std::optional<double> scale, bool enable_gqa, int64_t window_left,
     int64_t window_right, bool bottom_right, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks) {
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
+    const std::optional<at::Tensor>& grad_logsumexp) {
   auto grads = AttentionBackwardFunction::apply(
       grad_out, query, key, value, out, logsumexp, rng_state, attn_mask, dropout_p, is_causal,
-      scale, enable_gqa, window_left, window_right, bottom_right, softcap, alibi_slopes, sinks);
+      scale, enable_gqa, window_left, window_right, bottom_right, softcap, alibi_slopes, sinks,
+      grad_logsumexp);
   return {grads[0], grads[1], grads[2]};
 }
 

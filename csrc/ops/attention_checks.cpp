@@ -149,6 +149,17 @@ void check_attention_backward_inputs(const char* op,
   }
 }
 
+void check_grad_logsumexp(const char* op, const std::optional<at::Tensor>& grad_logsumexp,
+                          const at::Tensor& logsumexp) {
+  if (!grad_logsumexp.has_value()) return;
+  const at::Tensor& g = *grad_logsumexp;
+  TORCH_CHECK(g.sym_sizes() == logsumexp.sym_sizes() && g.device() == logsumexp.device() &&
+                  at::isFloatingType(g.scalar_type()),
+              op, ": expected grad_logsumexp of the logsumexp's shape ",
+              shape_str(logsumexp.sym_sizes()), " on ", logsumexp.device(), ", got ",
+              g.scalar_type(), " of shape ", shape_str(g.sym_sizes()), " on ", g.device());
+}
+
 void check_attention_weights_inputs(const char* op,
                                     const at::Tensor& query,
                                     const at::Tensor& key,

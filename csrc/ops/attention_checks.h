@@ -53,6 +53,10 @@ void check_attention_backward_inputs(const char* op,
                                      bool enable_gqa,
                                      const AttentionVariants& variants);
 
+// grad_logsumexp, when given: the logsumexp's shape, dtype and device.
+void check_grad_logsumexp(const char* op, const std::optional<at::Tensor>& grad_logsumexp,
+                          const at::Tensor& logsumexp);
+
 // For the weights pass: check_attention_inputs (key standing in for value),
 // plus logsumexp and rng_state as attention_forward returned them.
 void check_attention_weights_inputs(const char* op,

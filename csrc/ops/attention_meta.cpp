@@ -29,7 +29,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_meta(
     const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
     const at::Tensor& rng_state, const OptTensor& attn_mask, double dropout_p, bool is_causal,
     std::optional<double> scale, bool enable_gqa, int64_t window_left, int64_t window_right,
-    bool bottom_right, double softcap, const OptTensor& alibi_slopes, const OptTensor& sinks) {
+    bool bottom_right, double softcap, const OptTensor& alibi_slopes, const OptTensor& sinks,
+    const OptTensor& grad_logsumexp) {
+  check_grad_logsumexp(kBackwardOp, grad_logsumexp, logsumexp);
   check_attention_backward_inputs(
       kBackwardOp, grad_out, query, key, value, out, logsumexp, rng_state, attn_mask, dropout_p,
       scale, enable_gqa, {window_left, window_right, bottom_right, softcap, alibi_slopes, sinks});

@@ -139,7 +139,8 @@ AttentionParams AttentionCall::forward(const at::Tensor& out, const at::Tensor& 
 
 BackwardParams AttentionCall::backward(const at::Tensor& grad_out, const at::Tensor& out,
                                        const at::Tensor& logsumexp, const at::Tensor& rng_state,
-                                       double dropout_p) {
+                                       double dropout_p,
+                                       const std::optional<at::Tensor>& grad_logsumexp) {
   BackwardParams bp;
   bp.fwd = inputs_;
   bp.fwd.out = describe_in_layout(out);
@@ -148,6 +149,10 @@ BackwardParams AttentionCall::backward(const at::Tensor& grad_out, const at::Ten
   bp.fwd.lse = const_cast<void*>(lse.const_data_ptr());
   bp.fwd.dropout = replay_dropout(rng_state, dropout_p);
   bp.grad_out = describe_in_layout(grad_out);
+  if (grad_logsumexp.has_value()) {
+    kept_.push_back(grad_logsumexp->to(logsumexp.scalar_type()).contiguous());
+    bp.grad_lse = kept_.back().const_data_ptr();
+  }
   return bp;
 }
 

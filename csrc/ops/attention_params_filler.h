@@ -62,7 +62,8 @@ class AttentionCall {
   // the backend has chosen bp.grad_q_splits.
   BackwardParams backward(const at::Tensor& grad_out, const at::Tensor& out,
                           const at::Tensor& logsumexp, const at::Tensor& rng_state,
-                          double dropout_p);
+                          double dropout_p,
+                          const std::optional<at::Tensor>& grad_logsumexp = std::nullopt);
   DenseGradients allocate_gradients(BackwardParams& bp) const;
 
   // The weights pass of the forward call that returned logsumexp and

@@ -22,13 +22,14 @@ TORCH_LIBRARY(fusedmha, m) {
       "attention_forward(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, "
       "float dropout_p=0.0, bool is_causal=False, float? scale=None, bool enable_gqa=False, "
       VARIANTS ") -> (Tensor output, Tensor logsumexp, Tensor rng_state)");
-  // Gradients of attention_forward's output with respect to query, key and
-  // value (a float attn_mask gets none), recomputed tile by tile from the
-  // saved output and log-sum-exp.
+  // Gradients of attention_forward's output (and, when grad_logsumexp is
+  // given, of its log-sum-exp) with respect to query, key and value (a float
+  // attn_mask gets none), recomputed tile by tile from the saved output and
+  // log-sum-exp.
   m.def(
       "attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, "
       "Tensor logsumexp, Tensor rng_state, Tensor? attn_mask, float dropout_p, bool is_causal, "
-      "float? scale, bool enable_gqa, " VARIANTS
+      "float? scale, bool enable_gqa, " VARIANTS ", Tensor? grad_logsumexp=None"
       ") -> (Tensor grad_query, Tensor grad_key, Tensor grad_value)");
   // The attention probabilities softmax(scale·Q·Kᵀ + mask) of a forward call,
   // recomputed from its log-sum-exp, with its dropout applied (rng_state and
@@ -53,6 +54,10 @@ TORCH_LIBRARY(fusedmha, m) {
       "Tensor? key_padding_mask, Tensor? bias_k, Tensor? bias_v, bool add_zero_attn, "
       "float dropout_p, bool need_weights, bool average_attn_weights, bool is_causal) "
       "-> (Tensor output, Tensor weights)");
+  // Partial results over disjoint sets of keys, in flash_attn_func's layouts
+  // (outputs (B, L, H, E), lses (B, H, L)), combined by their log-sum-exp:
+  // the output and lse over all the keys (csrc/ops/merge_attention.cpp).
+  m.def("merge_attention(Tensor[] outputs, Tensor[] lses) -> (Tensor output, Tensor lse)");
   // torch.nn.functional.scaled_dot_product_attention's signature; a
   // composite of attention_forward (csrc/ops/attention.cpp).
   m.def(

@@ -119,3 +119,12 @@ def flash_attn_kvpacked_func(
     k, v = kv.unbind(2)
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                       alibi_slopes, return_attn_probs, sinks)
+
+
+def merge_attention(outputs, lses) -> Tuple[Tensor, Tensor]:
+    """Partial attention results over disjoint sets of keys, combined by their log-sum-exp
+    into the result over all the keys: ``outputs`` ``(B, L, H, E)`` and ``lses``
+    ``(B, H, L)``, as :func:`flash_attn_func` returns them with ``return_attn_probs=True``.
+    Returns ``(output, lse)``. A partial whose lse is +inf for a row (it had no key there)
+    weighs nothing; a row no partial saw gets 0 and lse +inf. Differentiable."""
+    return torch.ops.fusedmha.merge_attention(list(outputs), list(lses))

@@ -339,3 +339,27 @@ TEST(Attention, VariantsFromCpp) {
     EXPECT_TRUE(torch::allclose(ours[n], theirs[n], 1e-9, 1e-11)) << "gradient " << n;
   }
 }
+
+// Partial results over two halves of the keys merge into the one-call result
+// (output, log-sum-exp and, through the log-sum-exp, the gradients).
+TEST(Attention, MergeAttentionFromCpp) {
+  torch::manual_seed(0);
+  const auto opts = torch::TensorOptions().dtype(torch::kDouble);
+  const auto q = torch::randn({2, 3, 7, 8}, opts).requires_grad_();
+  const auto k = torch::randn({2, 3, 20, 8}, opts).requires_grad_();
+  const auto v = torch::randn({2, 3, 20, 8}, opts).requires_grad_();
+  std::vector<at::Tensor> outs, lses;
+  for (const auto& [a, b] : {std::pair<int64_t, int64_t>{0, 9}, {9, 20}}) {
+    auto [o, lse, rng] = fusedmha::attention_forward(q, k.slice(2, a, b), v.slice(2, a, b));
+    outs.push_back(o.transpose(1, 2));  // (B, L, H, E)
+    lses.push_back(lse);
+  }
+  auto [merged, merged_lse] = fusedmha::merge_attention(outs, lses);
+  auto [whole, whole_lse, rng] = fusedmha::attention_forward(q, k, v);
+  EXPECT_TRUE(torch::allclose(merged, whole.transpose(1, 2), 1e-12, 1e-12));
+  EXPECT_TRUE(torch::allclose(merged_lse, whole_lse, 1e-12, 1e-12));
+  const auto grad = torch::randn_like(merged);
+  const auto ours = torch::autograd::grad({merged}, {q, k, v}, {grad});
+  const auto theirs = torch::autograd::grad({whole.transpose(1, 2)}, {q, k, v}, {grad});
+  for (size_t n = 0; n < 3; ++n) EXPECT_TRUE(torch::allclose(ours[n], theirs[n], 1e-10, 1e-12));
+}

@@ -124,6 +124,12 @@ def test_gradcheck_every_variant():
                                                     None, False, True, sinks=sinks, **kw)
 
     assert torch.autograd.gradcheck(out_fn, (q, k, v, sinks))
+
+    def lse_fn(q, k, v, sinks):  # the log-sum-exp is differentiable too
+        return torch.ops.fusedmha.attention_forward(q, k, v, None, 0.0, False, None, False,
+                                                    sinks=sinks, **kw)[:2]
+
+    assert torch.autograd.gradcheck(lse_fn, (q, k, v, sinks))
     assert torch.autograd.gradcheck(weights_fn, (q, k, sinks))
 
 

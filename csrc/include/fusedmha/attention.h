@@ -73,7 +73,9 @@ FUSEDMHA_API std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward(
 // The backward op (fusedmha::attention_backward): gradients with respect to
 // query, key and value, given the gradient of the output and what
 // attention_forward returned. Autograd calls it; it is public for tests and
-// for custom autograd code. (The sinks' gradient is
+// for custom autograd code. grad_logsumexp, when given, is the gradient of
+// the log-sum-exp (..., H, L), so that code differentiating through it (a
+// merge of partial results) gets exact gradients. (The sinks' gradient is
 // -sum over rows of exp(sink - logsumexp) * rowsum(grad_out * out), which
 // autograd adds.)
 FUSEDMHA_API std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
@@ -89,7 +91,8 @@ FUSEDMHA_API std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     bool is_causal = false,
     std::optional<double> scale = std::nullopt,
     bool enable_gqa = false,
-    const AttentionVariants& variants = {});
+    const AttentionVariants& variants = {},
+    const std::optional<at::Tensor>& grad_logsumexp = std::nullopt);
 
 // The attention weights of a forward call (fusedmha::attention_weights):
 // softmax(scale·Q·Kᵀ + mask) recomputed from the logsumexp and rng_state
@@ -110,5 +113,14 @@ FUSEDMHA_API at::Tensor attention_weights(
     bool enable_gqa = false,
     bool average_heads = false,
     const AttentionVariants& variants = {});
+
+// Partial attention results over disjoint sets of keys, combined into the
+// result over all of them by their log-sum-exp (fusedmha::merge_attention):
+// outputs (B, L, H, E) and lses (B, H, L), as flash_attn_func returns them
+// with return_attn_probs. A partial whose lse is +inf for a row (no key
+// there) weighs nothing; a row no partial saw gets 0 and lse +inf.
+// Differentiable.
+FUSEDMHA_API std::tuple<at::Tensor, at::Tensor> merge_attention(at::TensorList outputs,
+                                                               at::TensorList lses);
 
 }  // namespace fusedmha
