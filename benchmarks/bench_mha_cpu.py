@@ -23,7 +23,8 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fusedmha  # noqa: E402
-from common import peak_extra_memory, peak_memory_in_fresh_process, time_interleaved  # noqa: E402
+from common import (fma_peak_gflops, peak_extra_memory, peak_memory_in_fresh_process,  # noqa: E402
+                    time_interleaved)
 
 MODES = ["infer+weights", "infer", "train"]
 
@@ -69,8 +70,10 @@ def step_fn(module, mode, x, padding, grad, autocast):
 def run_speed(lengths, batch, embed, heads, modes, precisions, min_time):
     print(f"threads={torch.get_num_threads()} isa={fusedmha.build_info()['cpu_isa_in_use']} "
           f"torch={torch.__version__}  embed={embed} heads={heads} batch={batch}, "
-          "self-attention with key_padding_mask")
-    header = f"{'precision':15s} {'L':>5s} {'mode':>14s} {'fusedmha ms':>12s} {'torch ms':>10s} {'vs torch':>9s}"
+          "self-attention with key_padding_mask; GFLOP/s: the four projections and the attention "
+          "(3x for training), %peak: of the fp32 FMA peak measured next to each row")
+    header = (f"{'precision':15s} {'L':>5s} {'mode':>14s} {'fusedmha ms':>12s} {'GFLOP/s':>8s} {'%peak':>6s} "
+              f"{'torch ms':>10s} {'vs torch':>9s}")
     print(header)
     print("-" * len(header))
     modules = make_modules(embed, heads, dropout=0.1)
@@ -81,9 +84,12 @@ def run_speed(lengths, batch, embed, heads, modes, precisions, min_time):
                 x, padding = padded_batch(batch, L, embed, requires_grad=mode == "train")
                 grad = torch.randn(batch, L, embed, dtype=torch.bfloat16 if autocast else torch.float32)
                 fns = [step_fn(m, mode, x, padding, grad, autocast) for m in modules.values()]
+                peak = fma_peak_gflops()  # next to the timing: the clock drifts
                 t_f, t_t = time_interleaved(fns, min_time)
-                print(f"{precision:15s} {L:5d} {mode:>14s} {t_f * 1e3:12.2f} {t_t * 1e3:10.2f} "
-                      f"{t_t / t_f:8.2f}x", flush=True)
+                flops = (8 * batch * L * embed * embed + 4 * batch * L * L * embed) * (3 if mode == "train" else 1)
+                g_f = flops / t_f / 1e9
+                print(f"{precision:15s} {L:5d} {mode:>14s} {t_f * 1e3:12.2f} {g_f:8.1f} {100 * g_f / peak:5.0f}% "
+                      f"{t_t * 1e3:10.2f} {t_t / t_f:8.2f}x", flush=True)
 
 
 def measure_memory(name, L, heads, embed):

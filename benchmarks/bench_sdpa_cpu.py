@@ -15,15 +15,17 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fusedmha  # noqa: E402
-from common import (attention_flops, peak_extra_memory, peak_memory_in_fresh_process,  # noqa: E402
-                    time_interleaved, unfused_attention)
+from common import (attention_flops, fma_peak_gflops, peak_extra_memory,  # noqa: E402
+                    peak_memory_in_fresh_process, time_interleaved, unfused_attention)
 
 
 def run_speed(lengths, dtypes, B, H, E, min_time):
     print(f"threads={torch.get_num_threads()} isa={fusedmha.build_info()['cpu_isa_in_use']} "
-          f"torch={torch.__version__} B={B} H={H} E={E}")
-    header = (f"{'dtype':9s} {'L=S':>6s} {'variant':8s} {'fusedmha ms':>12s} {'GFLOP/s':>8s} "
-              f"{'torch ms':>9s} {'GFLOP/s':>8s} {'vs torch':>9s} {'unfused ms':>11s} {'vs unfused':>11s}")
+          f"torch={torch.__version__} B={B} H={H} E={E}; %peak: of the fp32 FMA peak, measured "
+          f"next to each row (now {fma_peak_gflops(0.25):.0f} GFLOP/s)")
+    header = (f"{'dtype':9s} {'L=S':>6s} {'variant':8s} {'fusedmha ms':>12s} {'GFLOP/s':>8s} {'%peak':>6s} "
+              f"{'torch ms':>9s} {'GFLOP/s':>8s} {'%peak':>6s} {'vs torch':>9s} {'unfused ms':>11s} "
+              f"{'vs unfused':>11s}")
     print(header)
     print("-" * len(header))
     for dtype in dtypes:
@@ -39,6 +41,7 @@ def run_speed(lengths, dtypes, B, H, E, min_time):
                 with_unfused = B * H * L * L * q.element_size() <= 512 << 20
                 if with_unfused:
                     fns.append(lambda: unfused_attention(q, k, v, **kw))
+                peak = fma_peak_gflops()  # next to the timing: the clock drifts
                 times = time_interleaved(fns, min_time)
                 t_f, t_t = times[0], times[1]
                 if with_unfused:
@@ -46,9 +49,10 @@ def run_speed(lengths, dtypes, B, H, E, min_time):
                 else:
                     unfused = f"{'-':>11s} {'-':>11s}"
                 flops = attention_flops(B, H, L, L, E, variant == "causal")
+                g_f, g_t = flops / t_f / 1e9, flops / t_t / 1e9
                 print(f"{str(dtype).replace('torch.', ''):9s} {L:6d} {variant:8s} {t_f * 1e3:12.2f} "
-                      f"{flops / t_f / 1e9:8.1f} {t_t * 1e3:9.2f} {flops / t_t / 1e9:8.1f} "
-                      f"{t_t / t_f:8.2f}x {unfused}", flush=True)
+                      f"{g_f:8.1f} {100 * g_f / peak:5.0f}% {t_t * 1e3:9.2f} {g_t:8.1f} "
+                      f"{100 * g_t / peak:5.0f}% {t_t / t_f:8.2f}x {unfused}", flush=True)
 
 
 IMPLEMENTATIONS = {

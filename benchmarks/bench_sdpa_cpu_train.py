@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fusedmha  # noqa: E402
-from common import (attention_flops, peak_extra_memory, peak_memory_in_fresh_process,  # noqa: E402
-                    time_interleaved)
+from common import (attention_flops, fma_peak_gflops, peak_extra_memory,  # noqa: E402
+                    peak_memory_in_fresh_process, time_interleaved)
 
 IMPLEMENTATIONS = {"fusedmha": fusedmha.scaled_dot_product_attention, "torch SDPA": F.scaled_dot_product_attention}
 
@@ -33,9 +33,10 @@ def train_step(sdpa, q, k, v, grad_out, **kw):
 
 def run_speed(lengths, dtypes, shapes, E, min_time):
     print(f"threads={torch.get_num_threads()} isa={fusedmha.build_info()['cpu_isa_in_use']} "
-          f"torch={torch.__version__} E={E}   forward + backward")
+          f"torch={torch.__version__} E={E}   forward + backward; %peak: of the fp32 FMA peak, "
+          f"measured next to each row (now {fma_peak_gflops(0.25):.0f} GFLOP/s)")
     header = (f"{'dtype':9s} {'B':>2s} {'H':>2s} {'L=S':>6s} {'variant':>11s} {'fusedmha ms':>12s} {'GFLOP/s':>8s} "
-              f"{'torch ms':>10s} {'GFLOP/s':>8s} {'vs torch':>9s}")
+              f"{'%peak':>6s} {'torch ms':>10s} {'GFLOP/s':>8s} {'%peak':>6s} {'vs torch':>9s}")
     print(header)
     print("-" * len(header))
     for dtype in dtypes:
@@ -47,11 +48,13 @@ def run_speed(lengths, dtypes, shapes, E, min_time):
                                     ("dropout 0.1", {"dropout_p": 0.1})]:
                     causal = variant == "causal"
                     fns = [train_step(f, q, k, v, grad_out, **kw) for f in IMPLEMENTATIONS.values()]
+                    peak = fma_peak_gflops()  # next to the timing: the clock drifts
                     t_f, t_t = time_interleaved(fns, min_time)
                     flops = 3.5 * attention_flops(B, H, L, L, E, causal)
+                    g_f, g_t = flops / t_f / 1e9, flops / t_t / 1e9
                     print(f"{str(dtype).replace('torch.', ''):9s} {B:2d} {H:2d} {L:6d} {variant:>11s} "
-                          f"{t_f * 1e3:12.2f} {flops / t_f / 1e9:8.1f} {t_t * 1e3:10.2f} {flops / t_t / 1e9:8.1f} "
-                          f"{t_t / t_f:8.2f}x", flush=True)
+                          f"{t_f * 1e3:12.2f} {g_f:8.1f} {100 * g_f / peak:5.0f}% {t_t * 1e3:10.2f} "
+                          f"{g_t:8.1f} {100 * g_t / peak:5.0f}% {t_t / t_f:8.2f}x", flush=True)
 
 
 def measure_memory(name, L, H, E):

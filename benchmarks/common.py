@@ -23,6 +23,32 @@ def time_call(fn, min_time=0.5, warmup=1):
     return samples[len(samples) // 2]
 
 
+def fma_peak_gflops(seconds=0.1):
+    """This machine's fp32 FMA peak now, in GFLOP/s: register-only FMA chains at the ISA level
+    fusedmha's kernels run at, on every intra-op thread. Measure it next to each timing: the
+    clock of a shared machine drifts."""
+    import fusedmha
+
+    return fusedmha.cpu_fma_peak_gflops(seconds)
+
+
+def memory_read_gbps(nbytes=1 << 30, repeats=5):
+    """This machine's memory-read bandwidth in GB/s: the best of a few reductions over a
+    buffer far larger than the caches (every intra-op thread reads)."""
+    import time
+
+    x = torch.ones(nbytes // 4)
+    x.sum()
+    best = min(_timed(x.sum) for _ in range(repeats))
+    return nbytes / best / 1e9
+
+
+def _timed(fn):
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
 def attention_flops(B, H, L, S, E, causal):
     """FlashAttention's convention: 4·B·H·L·S·E for the forward, halved when causal."""
     flops = 4 * B * H * L * S * E

@@ -18,12 +18,14 @@ set(FUSEDMHA_SOURCES
   csrc/cpu/dropout_mask.cpp
   csrc/cpu/isa.cpp
   csrc/cpu/work_items.cpp
+  csrc/cpu/fma_peak.cpp
 )
 # Compiled once per ISA level (see FUSEDMHA_CPU_ISA_LEVELS).
 set(FUSEDMHA_CPU_ISA_SOURCES
   csrc/cpu/attention_forward_kernel.cpp
   csrc/cpu/attention_backward_kernel.cpp
   csrc/cpu/attention_weights_kernel.cpp
+  csrc/cpu/fma_peak_kernel.cpp
 )
 # Compiled when FUSEDMHA_WITH_CUDA (cmake/FusedMHACuda.cmake): the host
 # wrappers (C++, with torch) and the kernels (CUDA, without torch headers;

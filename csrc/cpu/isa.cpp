@@ -87,7 +87,8 @@ IsaKernels selected_kernels() {
 #define FUSEDMHA_KERNELS(LEVEL)                                                    \
   IsaKernels {                                                                     \
     LEVEL::forward_configure, LEVEL::forward_item, LEVEL::backward_configure,     \
-        LEVEL::backward_item, LEVEL::weights_configure, LEVEL::weights_item      \
+        LEVEL::backward_item, LEVEL::weights_configure, LEVEL::weights_item,     \
+        LEVEL::fma_chains                                                          \
   }
   switch (selected_isa()) {
 #if FUSEDMHA_CPU_X86

@@ -38,6 +38,8 @@ struct WorkSplit {
   WorkSplit weights_configure(const WeightsParams& wp, int64_t threads);                   \
   void weights_item(const WeightsParams& wp, const WorkSplit& s, int64_t item,             \
                     void* workspace);                                                      \
+  /* Runs `iterations` rounds of register-only fp32 FMA chains; returns the flops. */      \
+  double fma_chains(int64_t iterations);                                                   \
   }
 
 FUSEDMHA_DECLARE_CPU_KERNELS(DEFAULT)
@@ -54,6 +56,7 @@ struct IsaKernels {
   void (*backward_item)(const BackwardParams&, const WorkSplit&, int64_t, void*);
   WorkSplit (*weights_configure)(const WeightsParams&, int64_t);
   void (*weights_item)(const WeightsParams&, const WorkSplit&, int64_t, void*);
+  double (*fma_chains)(int64_t);
 };
 
 // The kernels of the ISA level selected now (see isa.h).

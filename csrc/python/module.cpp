@@ -7,7 +7,7 @@
 #include <torch/extension.h>
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "fusedmha native module (build information)";
+  m.doc() = "fusedmha native module (build information, the CPU's FMA peak)";
   m.def(
       "build_info",
       []() {
@@ -22,4 +22,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "Version, the torch version built against, the CPU ISA levels compiled, the level in "
       "use now, and whether CUDA kernels are compiled in.");
+  m.def("cpu_fma_peak_gflops", &fusedmha::cpu_fma_peak_gflops, pybind11::arg("seconds") = 0.25,
+        pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "The fp32 FMA peak of this machine in GFLOP/s: register-only FMA chains at the ISA "
+        "level in use, on every intra-op thread at once, timed for about `seconds`.");
 }

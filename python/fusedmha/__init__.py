@@ -45,6 +45,12 @@ def build_info() -> dict:
     return _C.build_info()
 
 
+def cpu_fma_peak_gflops(seconds: float = 0.25) -> float:
+    """The fp32 FMA peak of this machine in GFLOP/s: register-only FMA chains at the ISA level
+    the CPU kernels run at, on every intra-op thread at once (the benchmarks' yardstick)."""
+    return _C.cpu_fma_peak_gflops(seconds)
+
+
 __all__ = [
     "scaled_dot_product_attention",
     "MultiheadAttention",
@@ -53,5 +59,6 @@ __all__ = [
     "flash_attn_kvpacked_func",
     "merge_attention",
     "build_info",
+    "cpu_fma_peak_gflops",
     "__version__",
 ]

@@ -150,7 +150,8 @@ def median_time(fn, min_time):
 
 
 def mha_case(L, mode, batch=4, embed=512, heads=8):
-    """(fusedmha step, PyTorch step) for nn.MultiheadAttention's workload at length L."""
+    """(fusedmha step, PyTorch step, flops of one step) for nn.MultiheadAttention's workload at
+    length L: four projections and the attention (FlashAttention's count), 3x for training."""
     theirs = nn.MultiheadAttention(embed, heads, dropout=0.1, batch_first=True)
     ours = fusedmha.MultiheadAttention(embed, heads, dropout=0.1, batch_first=True)
     ours.load_state_dict(theirs.state_dict())
@@ -168,7 +169,8 @@ def mha_case(L, mode, batch=4, embed=512, heads=8):
                 m(x, x, x, key_padding_mask=padding, need_weights=mode == "need_weights")
         return infer
 
-    return step(ours), step(theirs)
+    flops = 8 * batch * L * embed * embed + 4 * batch * L * L * embed
+    return step(ours), step(theirs), flops * (3 if mode == "train" else 1)
 
 
 def sdpa_train_case(L, heads=8):
@@ -178,7 +180,8 @@ def sdpa_train_case(L, heads=8):
     def step(sdpa):
         return lambda: torch.autograd.grad(sdpa(q, k, v, is_causal=True), (q, k, v), grad)
 
-    return step(fusedmha.scaled_dot_product_attention), step(F.scaled_dot_product_attention)
+    flops = 3.5 * 4 * heads * L * L * 64 / 2  # forward + backward, causal: half
+    return step(fusedmha.scaled_dot_product_attention), step(F.scaled_dot_product_attention), flops
 
 
 def progress(done, total, label):
@@ -202,13 +205,22 @@ def run_benchmark(lengths, min_time):
     results = []
     for i, (name, make) in enumerate(cases):
         progress(i, len(cases), name)
-        ours, theirs = make()
-        results.append((name, median_time(ours, min_time), median_time(theirs, min_time)))
+        ours, theirs, flops = make()
+        # The machine's FMA peak next to each timing (a shared machine's clock drifts).
+        peak = fusedmha.cpu_fma_peak_gflops(0.1)
+        t_ours, t_theirs = median_time(ours, min_time), median_time(theirs, min_time)
+        results.append((name, t_ours, t_theirs, flops / t_ours / 1e9, peak))
     progress(len(cases), len(cases), "")
-    print(f"  {'workload':42s} {'fusedmha ms':>12s} {'PyTorch ms':>11s} {'speed-up':>9s}")
-    for name, t_ours, t_theirs in results:
-        print(f"  {name:42s} {t_ours * 1e3:12.1f} {t_theirs * 1e3:11.1f} {t_theirs / t_ours:8.2f}x")
-    return results
+    print(f"  {'workload':42s} {'fusedmha ms':>12s} {'GFLOP/s':>8s} {'% peak':>7s} "
+          f"{'PyTorch ms':>11s} {'speed-up':>9s}")
+    for name, t_ours, t_theirs, gflops, peak in results:
+        print(f"  {name:42s} {t_ours * 1e3:12.1f} {gflops:8.1f} {100 * gflops / peak:6.0f}% "
+              f"{t_theirs * 1e3:11.1f} {t_theirs / t_ours:8.2f}x")
+    peaks = [r[4] for r in results]
+    print(f"  (% peak: of this machine's fp32 FMA peak at {fusedmha.build_info()['cpu_isa_in_use']}, "
+          f"measured next to each row: {min(peaks):.0f}-{max(peaks):.0f} GFLOP/s on "
+          f"{torch.get_num_threads()} threads)")
+    return [r[:3] for r in results]
 
 
 def save_plot(results, path):

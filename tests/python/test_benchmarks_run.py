@@ -52,3 +52,18 @@ def test_variants_benchmark_smoke_run():
                          capture_output=True, text=True, timeout=600, env=dict(os.environ))
     assert res.returncode == 0, res.stderr
     assert "window is" in res.stdout and "softcap" in res.stdout and "sinks" in res.stdout, res.stdout
+
+
+def test_decode_benchmark_smoke_run():
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_decode_cpu.py"), "--quick"],
+                         capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    assert res.returncode == 0, res.stderr
+    assert "memory read bandwidth" in res.stdout and "vs torch" in res.stdout, res.stdout
+
+
+def test_peak_probe_is_a_plausible_number():
+    """cpu_fma_peak_gflops measures something: more than a scalar loop could, and finite."""
+    import fusedmha
+
+    peak = fusedmha.cpu_fma_peak_gflops(0.05)
+    assert 1.0 < peak < 1e5

@@ -17,4 +17,9 @@ struct BuildInfo {
 
 FUSEDMHA_API BuildInfo build_info();
 
+// The fp32 FMA peak of this machine in GFLOP/s: register-only FMA chains at
+// the ISA level the CPU kernels run at, on every intra-op thread at once,
+// timed for about `seconds`. The yardstick the benchmarks report against.
+FUSEDMHA_API double cpu_fma_peak_gflops(double seconds = 0.25);
+
 }  // namespace fusedmha
