@@ -27,7 +27,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
                                        enable_gqa, variants);
   ops::check_grad_logsumexp(ops::kBackwardOp, grad_logsumexp, logsumexp);
   ops::AttentionCall call(ops::kBackwardOp, query, key, value, attn_mask, is_causal, scale,
-                          enable_gqa, variants);
+                          enable_gqa, variants, dropout_p);
   BackwardParams bp =
       call.backward(grad_out, out, logsumexp, rng_state, dropout_p, grad_logsumexp);
 

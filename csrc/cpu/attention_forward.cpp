@@ -43,7 +43,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cpu(
                               enable_gqa, variants);
   auto [out, lse, rng_state] = ops::allocate_attention_outputs(query, key, value, enable_gqa);
   ops::AttentionCall call(ops::kForwardOp, query, key, value, attn_mask, is_causal, scale,
-                          enable_gqa, variants);
+                          enable_gqa, variants, dropout_p);
   AttentionParams p = call.forward(out, lse);
   p.dropout = draw_dropout(dropout_p);
   rng_state[0] = static_cast<int64_t>(p.dropout.seed);

@@ -28,7 +28,8 @@ at::Tensor attention_weights_cpu(const at::Tensor& query, const at::Tensor& key,
   if (weights.numel() == 0) return weights;
   // Key stands in for value: the weights never read values.
   ops::AttentionCall call(ops::kWeightsOp, query, key, key, attn_mask, is_causal, scale,
-                          enable_gqa, variants);
+                          enable_gqa, variants, dropout_p, ops::last_dim_contiguous,
+                          /*pack_query_heads=*/false);
   const WeightsParams wp = call.weights(logsumexp, rng_state, dropout_p, average_heads, weights);
 
   const IsaKernels kernels = selected_kernels();

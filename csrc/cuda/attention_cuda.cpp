@@ -128,7 +128,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(
   auto [out, lse, rng_state] = ops::allocate_attention_outputs(query, key, value, enable_gqa);
   const bool tensor_cores = use_tensor_cores(query, value, /*backward=*/false);
   ops::AttentionCall call(ops::kForwardOp, query, key, value, attn_mask, is_causal, scale,
-                          enable_gqa, variants, row_layout(tensor_cores));
+                          enable_gqa, variants, dropout_p, row_layout(tensor_cores));
   AttentionParams p = call.forward(out, lse);
   check_launch_size(p);
   if (p.num_outer * p.len_q == 0) {
@@ -163,7 +163,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
   const c10::cuda::CUDAGuard guard(query.device());
   const bool tensor_cores = use_tensor_cores(query, value, /*backward=*/true);
   ops::AttentionCall call(ops::kBackwardOp, query, key, value, attn_mask, is_causal, scale,
-                          enable_gqa, variants, row_layout(tensor_cores));
+                          enable_gqa, variants, dropout_p, row_layout(tensor_cores));
   BackwardParams bp = call.backward(grad_out, out, logsumexp, rng_state, dropout_p);
   check_launch_size(bp.fwd);
   // D = rowsum(dO ∘ O) − grad_lse, in the accumulation dtype.
@@ -210,7 +210,8 @@ at::Tensor attention_weights_cuda(const at::Tensor& query, const at::Tensor& key
   if (weights.numel() == 0) return weights;
   // Key stands in for value: the weights never read values.
   ops::AttentionCall call(ops::kWeightsOp, query, key, key, attn_mask, is_causal, scale,
-                          enable_gqa, variants);
+                          enable_gqa, variants, dropout_p, ops::last_dim_contiguous,
+                          /*pack_query_heads=*/false);
   const WeightsParams wp = call.weights(logsumexp, rng_state, dropout_p, average_heads, weights);
   check_launch_size(wp.fwd);
   check_simple_smem(query, simple_weights_smem(wp), "attention weights");

@@ -36,13 +36,33 @@ at::Tensor last_dim_contiguous(const at::Tensor& t) {
   return t.size(-1) <= 1 || t.stride(-1) == 1 ? t : t.contiguous();
 }
 
+bool packs_query_heads(const at::Tensor& query, const at::Tensor& key,
+                       const std::optional<at::Tensor>& attn_mask, bool is_causal,
+                       const AttentionVariants& v, double dropout_p) {
+  if (query.dim() < 3 || key.dim() < 3 || query.size(-2) != 1 || dropout_p > 0) return false;
+  const int64_t h = query.size(-3), h_kv = key.size(-3);
+  if (h_kv == 0 || h <= h_kv || h % h_kv != 0) return false;
+  if (v.alibi_slopes.has_value() || v.sinks.has_value() || v.window_left >= 0) return false;
+  // With one query row, a bottom-right diagonal is the last key: a causal mask
+  // or right window around it hides nothing.
+  if ((is_causal || v.window_right >= 0) && !v.bottom_right) return false;
+  return !attn_mask.has_value() || attn_mask->dim() < 3 || attn_mask->size(-3) == 1;
+}
+
 AttentionCall::AttentionCall(const char* op, const at::Tensor& query, const at::Tensor& key,
                              const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
                              bool is_causal, std::optional<double> scale, bool enable_gqa,
-                             const AttentionVariants& variants, RowLayout layout)
+                             const AttentionVariants& variants, double dropout_p,
+                             RowLayout layout, bool pack_query_heads)
     : query_(query), layout_(layout) {
   for (const c10::SymInt& s : attention_outer_shape(op, query, key, value, enable_gqa)) {
     outer_shape_.push_back(s.expect_int());
+  }
+  const bool pack = pack_query_heads &&
+                    packs_query_heads(query, key, attn_mask, is_causal, variants, dropout_p);
+  if (pack) {
+    group_ = query.size(-3) / key.size(-3);
+    outer_shape_.back() /= group_;  // the K/V heads
   }
   // Outer dims of size 1 take no part in the kernels' indexing.
   AttentionParams& p = inputs_;
@@ -56,11 +76,11 @@ AttentionCall::AttentionCall(const char* op, const at::Tensor& query, const at::
     p.outer.size[p.outer.dims++] = size;
   }
   p.dtype = dtype_of(query.scalar_type());
-  p.len_q = query.size(-2);
+  p.len_q = query.size(-2) * group_;
   p.len_kv = key.size(-2);
   p.dim_qk = query.size(-1);
   p.dim_v = value.size(-1);
-  p.q = describe_in_layout(query);
+  p.q = describe_in_layout(packed(query));
   p.k = describe_in_layout(key);
   p.v = describe_in_layout(value);
   if (attn_mask.has_value()) {
@@ -72,8 +92,15 @@ AttentionCall::AttentionCall(const char* op, const at::Tensor& query, const at::
   p.diagonal_offset = variants.bottom_right ? p.len_kv - p.len_q : 0;
   p.window_left = variants.window_left;
   p.window_right = is_causal ? 0 : variants.window_right;  // causal: nothing right of the diagonal
+  if (group_ > 1) p.window_right = -1;  // (one bottom-right query row: it hides nothing)
   if (variants.alibi_slopes.has_value()) p.alibi_slopes = describe_per_head(*variants.alibi_slopes);
   if (variants.sinks.has_value()) p.sinks = describe_per_head(*variants.sinks);
+}
+
+at::Tensor AttentionCall::packed(const at::Tensor& t) const {
+  if (group_ == 1) return t;
+  // (..., H, 1, cols) → (..., H_kv, G, 1, cols) → (..., H_kv, G, cols): views only.
+  return t.unflatten(-3, {t.size(-3) / group_, group_}).squeeze(-2);
 }
 
 Matrix AttentionCall::describe_per_head(const at::Tensor& t) {
@@ -132,8 +159,8 @@ DropoutParams AttentionCall::replay_dropout(const at::Tensor& rng_state, double 
 
 AttentionParams AttentionCall::forward(const at::Tensor& out, const at::Tensor& lse) {
   AttentionParams p = inputs_;
-  p.out = describe(out);
-  p.lse = lse.mutable_data_ptr();
+  p.out = describe(packed(out));
+  p.lse = lse.mutable_data_ptr();  // (…, H, 1) is (…, H_kv, G) in memory
   return p;
 }
 
@@ -143,12 +170,12 @@ BackwardParams AttentionCall::backward(const at::Tensor& grad_out, const at::Ten
                                        const std::optional<at::Tensor>& grad_logsumexp) {
   BackwardParams bp;
   bp.fwd = inputs_;
-  bp.fwd.out = describe_in_layout(out);
+  bp.fwd.out = describe_in_layout(packed(out));
   const at::Tensor lse = logsumexp.contiguous();
   kept_.push_back(lse);
   bp.fwd.lse = const_cast<void*>(lse.const_data_ptr());
   bp.fwd.dropout = replay_dropout(rng_state, dropout_p);
-  bp.grad_out = describe_in_layout(grad_out);
+  bp.grad_out = describe_in_layout(packed(grad_out));
   if (grad_logsumexp.has_value()) {
     kept_.push_back(grad_logsumexp->to(logsumexp.scalar_type()).contiguous());
     bp.grad_lse = kept_.back().const_data_ptr();
@@ -164,7 +191,15 @@ DenseGradients AttentionCall::allocate_gradients(BackwardParams& bp) const {
   shape.insert(shape.begin(), bp.grad_q_splits);
   shape.insert(shape.end(), {p.len_q, p.dim_qk});
   DenseGradients g;
-  g.q = at::zeros(shape, acc);
+  if (group_ > 1) {
+    // Packed query heads: the same memory as (splits, ..., H, 1, E).
+    std::vector<int64_t> unpacked = shape;
+    unpacked.end()[-3] *= group_;
+    unpacked.end()[-2] = 1;
+    g.q = at::zeros(unpacked, acc);
+  } else {
+    g.q = at::zeros(shape, acc);
+  }
   shape.erase(shape.begin());
   shape.end()[-2] = p.len_kv;
   g.k = at::empty(shape, acc);

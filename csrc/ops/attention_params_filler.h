@@ -43,15 +43,30 @@ struct DenseGradients {
                                                             const at::Tensor& value) const;
 };
 
+// Whether a call decodes with grouped-query heads in a way the kernels can
+// read as rows: one query row (L = 1), H = G·H_kv query heads with G > 1,
+// and nothing that tells those rows apart by position or head (no window, a
+// causal mask only if bottom-right (it then hides nothing), no ALiBi, sinks,
+// dropout or per-head mask). Then the G query heads that share a K/V head
+// are G rows of one item: K/V are read once per group, not once per head,
+// and the score tiles are G rows deep instead of 1.
+bool packs_query_heads(const at::Tensor& query, const at::Tensor& key,
+                       const std::optional<at::Tensor>& attn_mask, bool is_causal,
+                       const AttentionVariants& variants, double dropout_p);
+
 // One attention call described for the kernels (the inputs already checked).
 // It keeps alive every copy its row layout made, and the device copy of a
 // replayed rng_state, so it must outlive the kernels' run.
 class AttentionCall {
  public:
+  // pack_query_heads allows reading the query heads that share a K/V head
+  // as rows of one item when decoding (see packs_query_heads); the weights
+  // pass, which averages over heads, does not allow it.
   AttentionCall(const char* op, const at::Tensor& query, const at::Tensor& key,
                 const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
                 bool is_causal, std::optional<double> scale, bool enable_gqa,
-                const AttentionVariants& variants, RowLayout layout = last_dim_contiguous);
+                const AttentionVariants& variants, double dropout_p,
+                RowLayout layout = last_dim_contiguous, bool pack_query_heads = true);
 
   // The forward pass writing out and lse (as allocate_attention_outputs
   // made them). Dropout is left off: the backend draws its stream.
@@ -81,6 +96,9 @@ class AttentionCall {
   Matrix describe_in_layout(const at::Tensor& t);
   // A per-head tensor (alibi_slopes, sinks) as one float64 per outer index.
   Matrix describe_per_head(const at::Tensor& t);
+  // t (..., H, 1, cols) as the kernels see it: (..., H_kv, G, cols) when the
+  // query heads are packed, else t itself.
+  at::Tensor packed(const at::Tensor& t) const;
   // The dropout stream a forward call drew (rng_state as it returned it);
   // off when dropout_p is 0.
   DropoutParams replay_dropout(const at::Tensor& rng_state, double dropout_p);
@@ -88,6 +106,7 @@ class AttentionCall {
   at::Tensor query_;
   RowLayout layout_;
   std::vector<int64_t> outer_shape_;  // batch dims..., heads (sizes 1 included)
+  int64_t group_ = 1;                 // query heads read as rows of one item (1: none)
   AttentionParams inputs_;
   std::vector<at::Tensor> kept_;
 };
