@@ -95,6 +95,11 @@ struct AttentionParams {
   Matrix q, k, v;
   MaskKind mask_kind = MaskKind::None;
   Matrix mask;
+  // Suffix padding of the keys, when set: outer index o sees only its first
+  // key_lengths[o / key_lengths_group] keys (the rest are skipped, never
+  // read). The CPU host sets it for a bool mask that pads a suffix.
+  const int64_t* key_lengths = nullptr;
+  int64_t key_lengths_group = 1;
 
   // The score pipeline: s = scale·q·k → softcap → + ALiBi → masks and the
   // band → softmax (with the sink in the denominator) → dropout → ·V.
@@ -157,6 +162,11 @@ FUSEDMHA_HOST_DEVICE int64_t band_query_end(const AttentionParams& p, int64_t k1
   if (p.window_left < 0) return p.len_q;
   const int64_t q = k1 - 1 - p.diagonal_offset + p.window_left + 1;
   return q < 0 ? 0 : (q > p.len_q ? p.len_q : q);
+}
+
+// The keys outer index o may see at all (suffix padding aside: len_kv).
+FUSEDMHA_HOST_DEVICE int64_t keys_of(const AttentionParams& p, int64_t o) {
+  return p.key_lengths ? p.key_lengths[o / p.key_lengths_group] : p.len_kv;
 }
 
 // The slope and sink of outer index o (0 and -inf when off).

@@ -107,9 +107,11 @@ class BackwardKernel {
     std::fill(ws_.dk, ws_.dk + cols * ws_.dqk, acc_t(0));
     std::fill(ws_.dvv, ws_.dvv + cols * ws_.dv, acc_t(0));
 
-    // Only the queries whose band sees these keys (causal, sliding window).
+    // Only the queries whose band sees these keys (causal, sliding window);
+    // none when they are all key padding (their gradients are then 0).
     const int64_t block_q = split_.block_q;
-    const int64_t q_begin = band_query_begin(p_, k0), q_end = band_query_end(p_, k0 + cols);
+    const int64_t q_begin = band_query_begin(p_, k0);
+    const int64_t q_end = k0 < keys_of(p_, o) ? band_query_end(p_, k0 + cols) : q_begin;
     for (int64_t q0 = q_begin; q0 < q_end; q0 += block_q) {
       const int64_t rows = std::min(block_q, q_end - q0);
       const int64_t bq = round_up(rows, nr);

@@ -85,7 +85,7 @@ class ForwardKernel {
 
     // Only the keys the block's band can see (causal, sliding window): the
     // rest are skipped, not computed and masked.
-    const auto [kv_begin, kv_end] = tiles_.key_range(q0, rows);
+    const auto [kv_begin, kv_end] = tiles_.key_range(o, q0, rows);
     for (int64_t k0 = kv_begin; k0 < kv_end; k0 += split_.block_kv) {
       const int64_t cols = std::min(split_.block_kv, kv_end - k0);
       int64_t ldk, ldv;

@@ -410,6 +410,11 @@ class TileReader {
     if (p_.softcap > 0 && dcap) softcap_derivative(cols * bq, st, dcap);
     if (p_.alibi_slopes.data) apply_alibi(o, q0, bq, k0, cols, st);
     if (has_band(p_)) apply_band(q0, rows, bq, k0, cols, st);
+    // Keys past o's length (suffix padding): rows of −inf.
+    const int64_t keys = keys_of(p_, o);
+    for (int64_t j = std::max<int64_t>(keys - k0, 0); j < cols; ++j) {
+      std::fill(st + j * bq, st + (j + 1) * bq, neg_inf<acc_t>());
+    }
     switch (p_.mask_kind) {
       case MaskKind::None: return;
       case MaskKind::Bool: return apply_mask<bool>(o, q0, rows, bq, k0, cols, st, mt);
@@ -488,9 +493,11 @@ class TileReader {
   }
 #endif
 
-  // The keys [begin, end) that queries q0..q0+rows can see (the band).
-  std::pair<int64_t, int64_t> key_range(int64_t q0, int64_t rows) const {
-    return {band_key_begin(p_, q0), band_key_end(p_, q0 + rows)};
+  // The keys [begin, end) that queries q0..q0+rows of outer index o can see
+  // (the band, and the key padding).
+  std::pair<int64_t, int64_t> key_range(int64_t o, int64_t q0, int64_t rows) const {
+    const int64_t end = std::min(band_key_end(p_, q0 + rows), keys_of(p_, o));
+    return {std::min(band_key_begin(p_, q0), end), end};
   }
 
   // x[j·bq + c] *= dm[j·bq + c] over the tile.

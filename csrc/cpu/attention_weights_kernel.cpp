@@ -69,7 +69,7 @@ class WeightsKernel {
       const int64_t cols = std::min(split_.block_kv, p_.len_kv - k0);
       std::fill(ws_.acc, ws_.acc + cols * bq, acc_t(0));
       // A key block outside the block's band (causal, sliding window) is 0.
-      const auto [kv_begin, kv_end] = tiles_.key_range(q0, rows);
+      const auto [kv_begin, kv_end] = tiles_.key_range(group * heads, q0, rows);
       const bool visible = k0 < kv_end && k0 + cols > kv_begin;
       for (int64_t h = 0; visible && h < heads; ++h) {
         add_head_tile(group * heads + h, q0, rows, bq, k0, cols, head_weight);

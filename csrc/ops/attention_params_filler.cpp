@@ -2,7 +2,10 @@
 
 #include "ops/attention_shapes.h"
 
+#include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/equal.h>
+#include <ATen/ops/lt.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
@@ -83,7 +86,7 @@ AttentionCall::AttentionCall(const char* op, const at::Tensor& query, const at::
   p.q = describe_in_layout(packed(query));
   p.k = describe_in_layout(key);
   p.v = describe_in_layout(value);
-  if (attn_mask.has_value()) {
+  if (attn_mask.has_value() && !use_key_lengths(*attn_mask)) {
     p.mask = describe(*attn_mask);
     p.mask_kind = mask_kind_of(*attn_mask, query);
   }
@@ -95,6 +98,27 @@ AttentionCall::AttentionCall(const char* op, const at::Tensor& query, const at::
   if (group_ > 1) p.window_right = -1;  // (one bottom-right query row: it hides nothing)
   if (variants.alibi_slopes.has_value()) p.alibi_slopes = describe_per_head(*variants.alibi_slopes);
   if (variants.sinks.has_value()) p.sinks = describe_per_head(*variants.sinks);
+}
+
+bool AttentionCall::use_key_lengths(const at::Tensor& mask) {
+  // A key padding mask: bool, on the CPU (reading it costs no device sync),
+  // one row per batch index (size 1 in every other dim), and each row a run
+  // of trues then falses.
+  if (mask.scalar_type() != at::kBool || !mask.is_cpu() || outer_shape_.size() < 2) return false;
+  const int64_t n = static_cast<int64_t>(outer_shape_.size()), batch = outer_shape_[0];
+  if (mask.dim() != n + 2 || mask.size(0) != batch || mask.size(-1) != inputs_.len_kv) return false;
+  for (int64_t d = 1; d < mask.dim() - 1; ++d) {
+    if (mask.size(d) != 1) return false;
+  }
+  const at::Tensor rows = mask.reshape({batch, inputs_.len_kv});
+  const at::Tensor lengths = rows.sum(-1);
+  const at::Tensor prefix =
+      at::lt(at::arange(inputs_.len_kv, lengths.options()).unsqueeze(0), lengths.unsqueeze(-1));
+  if (!at::equal(rows, prefix)) return false;
+  kept_.push_back(lengths.contiguous());
+  inputs_.key_lengths = kept_.back().const_data_ptr<int64_t>();
+  inputs_.key_lengths_group = inputs_.num_outer / batch;  // outer indices per batch index
+  return true;
 }
 
 at::Tensor AttentionCall::packed(const at::Tensor& t) const {

@@ -94,6 +94,10 @@ class AttentionCall {
   Matrix describe(const at::Tensor& t) const;
   // describe(t) after the row layout (any copy kept alive).
   Matrix describe_in_layout(const at::Tensor& t);
+  // A bool mask that only pads a suffix of the keys per batch index, as key
+  // lengths (CPU): the kernels then skip the padded keys instead of reading
+  // the mask. False (and nothing set) for any other mask.
+  bool use_key_lengths(const at::Tensor& mask);
   // A per-head tensor (alibi_slopes, sinks) as one float64 per outer index.
   Matrix describe_per_head(const at::Tensor& t);
   // t (..., H, 1, cols) as the kernels see it: (..., H_kv, G, cols) when the

@@ -1,0 +1,77 @@
+"""A bool mask that pads a suffix of the keys per batch index is recognised on the CPU and
+its padded keys are skipped, never read: results, weights and gradients must be those of the
+float64 reference, for suffix masks (empty and full rows too) and for masks that only look
+like them (holes, per-head or per-row differences), which keep the general path."""
+
+import pytest
+import torch
+
+import fusedmha
+from reference import reference_variants
+
+
+def suffix_mask(lengths, S, shape):
+    keep = torch.arange(S)[None, :] < torch.tensor(lengths)[:, None]
+    return keep.view(shape)
+
+
+@pytest.mark.parametrize("lengths", [[37, 20, 1], [0, 37, 12], [37, 37, 37]])
+@pytest.mark.parametrize("kw", [dict(), dict(is_causal=True, bottom_right=True), dict(softcap=2.0),
+                                dict(sinks=True), dict(dropout=True)])
+def test_suffix_padding_matches_float64(lengths, kw):
+    B, H, L, S, E = 3, 4, 9, 37, 16
+    q, k, v = (torch.randn(B, H, n, E, dtype=torch.float64, requires_grad=True) for n in (L, S, S))
+    mask = suffix_mask(lengths, S, (B, 1, 1, S))
+    kw = dict(kw)
+    is_causal = kw.pop("is_causal", False)
+    if kw.pop("sinks", False):
+        kw["sinks"] = torch.randn(H, dtype=torch.float64, requires_grad=True)
+    p = 0.3 if kw.pop("dropout", False) else 0.0
+    out, lse, rng = torch.ops.fusedmha.attention_forward(q, k, v, mask, p, is_causal, **kw)
+    keep = None
+    if p > 0:
+        from reference import kernel_keep_mask
+        keep = kernel_keep_mask(rng, q, k, p)
+    ref, ref_lse, probs = reference_variants(q, k, v, mask, is_causal, keep=keep, dropout_p=p, **kw)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(lse, ref_lse)
+    inputs = [q, k, v] + ([kw["sinks"]] if "sinks" in kw else [])
+    grad = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, inputs, grad), torch.autograd.grad(ref, inputs, grad)):
+        torch.testing.assert_close(a, b)
+    weights = torch.ops.fusedmha.attention_weights(q, k, lse, rng, mask, p, is_causal, None, False,
+                                                   True, **kw)
+    want = probs if keep is None else probs * keep / (1 - p)
+    torch.testing.assert_close(weights, want.mean(-3))
+
+
+@pytest.mark.parametrize("mask_kind", ["hole", "per_head", "per_row"])
+def test_masks_that_are_not_suffix_padding(mask_kind):
+    B, H, L, S, E = 2, 3, 5, 20, 8
+    q, k, v = (torch.randn(B, H, n, E, dtype=torch.float64) for n in (L, S, S))
+    mask = suffix_mask([14, 20], S, (B, 1, 1, S))
+    if mask_kind == "hole":
+        mask = mask.clone()
+        mask[0, ..., 3] = False
+    elif mask_kind == "per_head":
+        mask = mask.expand(B, H, 1, S).clone()
+        mask[1, 2, 0, 7:] = False
+    else:
+        mask = mask.expand(B, 1, L, S).clone()
+        mask[0, 0, 1, 2:] = False
+    out = fusedmha.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    ref, _, _ = reference_variants(q, k, v, mask)
+    torch.testing.assert_close(out, ref)
+
+
+def test_multihead_attention_with_right_padding_matches_pytorch():
+    torch.manual_seed(0)
+    ref = torch.nn.MultiheadAttention(32, 4, batch_first=True, dtype=torch.float64)
+    mod = fusedmha.MultiheadAttention(32, 4, batch_first=True, dtype=torch.float64)
+    mod.load_state_dict(ref.state_dict())
+    x = torch.randn(3, 11, 32, dtype=torch.float64)
+    padding = torch.arange(11)[None, :] >= torch.tensor([11, 7, 2])[:, None]  # True = padded
+    out, w = mod(x, x, x, key_padding_mask=padding)
+    ref_out, ref_w = ref(x, x, x, key_padding_mask=padding)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(w, ref_w)
