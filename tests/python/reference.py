@@ -100,26 +100,7 @@ def nonfinite(t):
 
 def reference_probs(q, k, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
     """The attention probabilities in float64 (rows with no key to attend to are 0)."""
-    q, k = q.double(), k.double()
-    if enable_gqa and q.dim() >= 3:
-        k = k.repeat_interleave(q.size(-3) // k.size(-3), dim=-3)
-    scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
-    scores = (q @ k.transpose(-2, -1)) * scale
-    L, S = q.size(-2), k.size(-2)
-    allowed = torch.ones(L, S, dtype=torch.bool, device=scores.device)
-    if is_causal:
-        allowed = allowed.tril()
-    scores = scores.masked_fill(~allowed, NEG_INF)
-    if attn_mask is not None:
-        attn_mask = attn_mask.to(scores.device)
-        if attn_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attn_mask, NEG_INF)
-        else:
-            scores = scores + attn_mask.double()
-    # Rows with no key to attend to give 0, with zero gradient: take their
-    # softmax over zeros instead of all -inf (which is NaN), then drop them.
-    attends = (scores > NEG_INF).any(dim=-1, keepdim=True)
-    return torch.softmax(torch.where(attends, scores, torch.zeros_like(scores)), dim=-1) * attends
+    return reference_variants(q, k, k, attn_mask, is_causal, scale, enable_gqa)[2]
 
 
 def reference_attention(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
@@ -184,6 +165,16 @@ def reference_variants(q, k, v, attn_mask=None, is_causal=False, scale=None, ena
         probs = torch.softmax(safe, dim=-1) * attends
     kept = probs if keep is None else probs * keep.to(probs.device) / (1 - dropout_p)
     return kept @ v, lse.squeeze(-1), probs
+
+
+def assert_same_gradients(out, ref, inputs, **tol):
+    """The gradients of out and of its reference ref with respect to inputs agree, for one
+    random output gradient."""
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, inputs, grad)
+    want = torch.autograd.grad(ref, inputs, grad.to(ref.dtype))
+    for n, (a, b) in enumerate(zip(got, want)):
+        torch.testing.assert_close(a.to(b.dtype), b, **tol, msg=lambda m: f"gradient {n}: {m}")
 
 
 def reference_logsumexp(q, k, scale=None):

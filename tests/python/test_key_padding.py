@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fusedmha
-from reference import reference_variants
+from reference import assert_same_gradients, kernel_keep_mask, reference_variants
 
 
 def suffix_mask(lengths, S, shape):
@@ -30,15 +30,11 @@ def test_suffix_padding_matches_float64(lengths, kw):
     out, lse, rng = torch.ops.fusedmha.attention_forward(q, k, v, mask, p, is_causal, **kw)
     keep = None
     if p > 0:
-        from reference import kernel_keep_mask
         keep = kernel_keep_mask(rng, q, k, p)
     ref, ref_lse, probs = reference_variants(q, k, v, mask, is_causal, keep=keep, dropout_p=p, **kw)
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(lse, ref_lse)
-    inputs = [q, k, v] + ([kw["sinks"]] if "sinks" in kw else [])
-    grad = torch.randn_like(out)
-    for a, b in zip(torch.autograd.grad(out, inputs, grad), torch.autograd.grad(ref, inputs, grad)):
-        torch.testing.assert_close(a, b)
+    assert_same_gradients(out, ref, [q, k, v] + ([kw["sinks"]] if "sinks" in kw else []))
     weights = torch.ops.fusedmha.attention_weights(q, k, lse, rng, mask, p, is_causal, None, False,
                                                    True, **kw)
     want = probs if keep is None else probs * keep / (1 - p)
