@@ -1,6 +1,8 @@
 #pragma once
 
-// CPU emulation of the CUDA features the kernels use, so that the kernels'
+// Private test hook, not part of the library's build: included by
+// device_utils.cuh only under FUSEDMHA_CUDA_EMULATION, which only the tests
+// define. CPU emulation of the CUDA features the kernels use, so that the kernels'
 // own code (compiled as host C++ with FUSEDMHA_CUDA_EMULATION) runs and is
 // tested on machines without a GPU. Each GPU thread of a block is a fiber;
 // the fibers of a block run on one CPU thread, switching at barriers, so
