@@ -9,6 +9,7 @@ set(FUSEDMHA_SOURCES
   csrc/ops/attention_params_filler.cpp
   csrc/ops/attention_meta.cpp
   csrc/ops/attention_autograd.cpp
+  csrc/ops/attention_autocast.cpp
   csrc/ops/build_info.cpp
   csrc/modules/multihead_attention.cpp
   csrc/modules/multihead_attention_core.cpp
