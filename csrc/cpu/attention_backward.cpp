@@ -24,8 +24,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
                                    alibi_slopes, sinks};
   ops::check_attention_backward_inputs(ops::kBackwardOp, grad_out, query, key, value, out,
                                        logsumexp, rng_state, attn_mask, dropout_p, scale,
-                                       enable_gqa, variants);
-  ops::check_grad_logsumexp(ops::kBackwardOp, grad_logsumexp, logsumexp);
+                                       enable_gqa, variants, grad_logsumexp);
   ops::AttentionCall call(ops::kBackwardOp, query, key, value, attn_mask, is_causal, scale,
                           enable_gqa, variants, dropout_p);
   BackwardParams bp =

@@ -156,10 +156,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
     const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& grad_logsumexp) {
   const AttentionVariants variants{window_left, window_right, bottom_right, softcap,
                                    alibi_slopes, sinks};
-  ops::check_grad_logsumexp(ops::kBackwardOp, grad_logsumexp, logsumexp);
   ops::check_attention_backward_inputs(ops::kBackwardOp, grad_out, query, key, value, out,
                                        logsumexp, rng_state, attn_mask, dropout_p, scale,
-                                       enable_gqa, variants);
+                                       enable_gqa, variants, grad_logsumexp);
   const c10::cuda::CUDAGuard guard(query.device());
   const bool tensor_cores = use_tensor_cores(query, value, /*backward=*/true);
   ops::AttentionCall call(ops::kBackwardOp, query, key, value, attn_mask, is_causal, scale,

@@ -57,6 +57,18 @@ void check_variants(const char* op, const at::Tensor& query,
   if (v.sinks.has_value()) check_per_head(op, "sinks", "(H)", query, *v.sinks, outer, 1);
 }
 
+// grad_logsumexp, when given: the logsumexp's shape, dtype and device.
+void check_grad_logsumexp(const char* op, const std::optional<at::Tensor>& grad_logsumexp,
+                          const at::Tensor& logsumexp) {
+  if (!grad_logsumexp.has_value()) return;
+  const at::Tensor& g = *grad_logsumexp;
+  TORCH_CHECK(g.sym_sizes() == logsumexp.sym_sizes() && g.device() == logsumexp.device() &&
+                  at::isFloatingType(g.scalar_type()),
+              op, ": expected grad_logsumexp of the logsumexp's shape ",
+              shape_str(logsumexp.sym_sizes()), " on ", logsumexp.device(), ", got ",
+              g.scalar_type(), " of shape ", shape_str(g.sym_sizes()), " on ", g.device());
+}
+
 }  // namespace
 
 void check_attention_inputs(const char* op,
@@ -130,12 +142,14 @@ void check_attention_backward_inputs(const char* op,
                                      const at::Tensor& rng_state,
                                      const std::optional<at::Tensor>& attn_mask,
                                      double dropout_p,
-                                              std::optional<double> scale,
+                                     std::optional<double> scale,
                                      bool enable_gqa,
-                                     const AttentionVariants& variants) {
+                                     const AttentionVariants& variants,
+                                     const std::optional<at::Tensor>& grad_logsumexp) {
   check_attention_inputs(op, query, key, value, attn_mask, dropout_p, scale, enable_gqa,
                          variants);
   check_saved_state(op, query, key, value, logsumexp, rng_state, enable_gqa);
+  check_grad_logsumexp(op, grad_logsumexp, logsumexp);
   const at::Tensor expected_out = std::get<0>(allocate_attention_outputs(
       query.to(at::kMeta), key.to(at::kMeta), value.to(at::kMeta), enable_gqa));
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"grad_out", &grad_out},
@@ -149,16 +163,6 @@ void check_attention_backward_inputs(const char* op,
   }
 }
 
-void check_grad_logsumexp(const char* op, const std::optional<at::Tensor>& grad_logsumexp,
-                          const at::Tensor& logsumexp) {
-  if (!grad_logsumexp.has_value()) return;
-  const at::Tensor& g = *grad_logsumexp;
-  TORCH_CHECK(g.sym_sizes() == logsumexp.sym_sizes() && g.device() == logsumexp.device() &&
-                  at::isFloatingType(g.scalar_type()),
-              op, ": expected grad_logsumexp of the logsumexp's shape ",
-              shape_str(logsumexp.sym_sizes()), " on ", logsumexp.device(), ", got ",
-              g.scalar_type(), " of shape ", shape_str(g.sym_sizes()), " on ", g.device());
-}
 
 void check_attention_weights_inputs(const char* op,
                                     const at::Tensor& query,

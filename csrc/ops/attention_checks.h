@@ -38,7 +38,7 @@ void check_attention_inputs(const char* op,
 
 // check_attention_inputs, plus: grad_out and out of the forward output's
 // shape and the query's dtype, logsumexp and rng_state as attention_forward
-// returned them.
+// returned them, and grad_logsumexp (when given) of the logsumexp's shape.
 void check_attention_backward_inputs(const char* op,
                                      const at::Tensor& grad_out,
                                      const at::Tensor& query,
@@ -51,11 +51,8 @@ void check_attention_backward_inputs(const char* op,
                                      double dropout_p,
                                      std::optional<double> scale,
                                      bool enable_gqa,
-                                     const AttentionVariants& variants);
-
-// grad_logsumexp, when given: the logsumexp's shape, dtype and device.
-void check_grad_logsumexp(const char* op, const std::optional<at::Tensor>& grad_logsumexp,
-                          const at::Tensor& logsumexp);
+                                     const AttentionVariants& variants,
+                                     const std::optional<at::Tensor>& grad_logsumexp);
 
 // For the weights pass: check_attention_inputs (key standing in for value),
 // plus logsumexp and rng_state as attention_forward returned them.

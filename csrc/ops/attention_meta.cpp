@@ -31,10 +31,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_meta(
     std::optional<double> scale, bool enable_gqa, int64_t window_left, int64_t window_right,
     bool bottom_right, double softcap, const OptTensor& alibi_slopes, const OptTensor& sinks,
     const OptTensor& grad_logsumexp) {
-  check_grad_logsumexp(kBackwardOp, grad_logsumexp, logsumexp);
   check_attention_backward_inputs(
       kBackwardOp, grad_out, query, key, value, out, logsumexp, rng_state, attn_mask, dropout_p,
-      scale, enable_gqa, {window_left, window_right, bottom_right, softcap, alibi_slopes, sinks});
+      scale, enable_gqa, {window_left, window_right, bottom_right, softcap, alibi_slopes, sinks},
+      grad_logsumexp);
   // Contiguous, in the inputs' shapes and dtypes, as the real kernels return them.
   return {at::empty_symint(query.sym_sizes(), query.options()),
           at::empty_symint(key.sym_sizes(), key.options()),

@@ -180,3 +180,15 @@ def test_errors_name_the_entry_point_called():
                                               False, None, False)
     with pytest.raises(RuntimeError, match=r"^fusedmha\.attention_weights: .*logsumexp"):
         torch.ops.fusedmha.attention_weights(q, k, lse[..., :2], rng)
+
+
+def test_backward_op_checks_grad_logsumexp():
+    q, k, v = qkv()
+    out, lse, rng = torch.ops.fusedmha.attention_forward(q, k, v)
+    args = (torch.randn_like(out), q, k, v, out, lse, rng, None, 0.0, False, None, False)
+    with pytest.raises(RuntimeError, match=r"^fusedmha\.attention_backward: expected grad_logsumexp"):
+        torch.ops.fusedmha.attention_backward(*args, grad_logsumexp=lse[..., :2])
+    # The right shape is taken, and shifts the gradients (it adds dlse·P to the scores').
+    plain = torch.ops.fusedmha.attention_backward(*args)
+    shifted = torch.ops.fusedmha.attention_backward(*args, grad_logsumexp=torch.ones_like(lse))
+    assert not torch.equal(plain[0], shifted[0])
