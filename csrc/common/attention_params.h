@@ -34,6 +34,7 @@ struct OuterShape {
 // (B, H, L, E)) are just other strides, so every input is read in place.
 struct Matrix {
   void* data = nullptr;  // const for inputs; the kernels write only outputs
+  int64_t start = 0;     // element offset of matrix 0 (a packed sequence's first row)
   int64_t outer_stride[kMaxOuterDims] = {};
   int64_t divisor[kMaxOuterDims] = {1, 1, 1, 1, 1, 1, 1, 1};
   int64_t row_stride = 0;
@@ -41,7 +42,7 @@ struct Matrix {
 };
 
 FUSEDMHA_HOST_DEVICE int64_t outer_offset(const OuterShape& shape, const Matrix& m, int64_t o) {
-  int64_t offset = 0;
+  int64_t offset = m.start;
   for (int d = shape.dims - 1; d >= 0; --d) {
     const int64_t i = o % shape.size[d];
     o /= shape.size[d];
@@ -81,6 +82,24 @@ struct DropoutParams {
   FUSEDMHA_HOST_DEVICE DropoutStream stream() const { return {seed, offset}; }
 };
 
+// Sequences of their own lengths in one call (FlashAttention's varlen and
+// KV-cache calls), when any pointer is set: outer index o belongs to
+// sequence b = o / heads. Its queries are rows cu_q[b] .. cu_q[b + 1] of
+// q and out (and lse, grad_out, grad_q, grad_lse, delta); its keys are
+// rows from cu_k[b] of k and v (grad_k, grad_v), up to cu_k[b + 1] or
+// used_k[b] of them. A null cu_q or cu_k: every sequence starts at row 0
+// of its own matrices (a padded batch), up to len_q / len_kv rows.
+// len_q and len_kv are then the longest sequence's, and the kernels work
+// on sequence_of(p, o): the params narrowed to o's sequence.
+struct Sequences {
+  const int32_t* cu_q = nullptr;    // (B + 1) cumulative query counts
+  const int32_t* cu_k = nullptr;    // (B + 1) cumulative key counts
+  const int32_t* used_k = nullptr;  // (B) keys each sequence uses
+  int64_t heads = 1;                // outer indices per sequence
+
+  FUSEDMHA_HOST_DEVICE bool on() const { return cu_q || cu_k || used_k; }
+};
+
 // The forward pass; the backward and weights passes read it too (with
 // out and lse then being what the forward wrote).
 struct AttentionParams {
@@ -100,6 +119,7 @@ struct AttentionParams {
   // read). The CPU host sets it for a bool mask that pads a suffix.
   const int64_t* key_lengths = nullptr;
   int64_t key_lengths_group = 1;
+  Sequences seq;
 
   // The score pipeline: s = scale·q·k → softcap → + ALiBi → masks and the
   // band → softmax (with the sink in the denominator) → dropout → ·V.
@@ -107,10 +127,12 @@ struct AttentionParams {
   // > 0: s → softcap·tanh(s / softcap).
   double softcap = 0.0;
   // Query i's diagonal is key i + diagonal_offset (0: top-left, as SDPA's
-  // is_causal; S − L: bottom-right, as FlashAttention's). It sees keys j
+  // is_causal; S − L: bottom-right, as FlashAttention's, recomputed per
+  // sequence by sequence_of when bottom_right). It sees keys j
   // with diagonal − window_left <= j <= diagonal + window_right; a negative
   // bound is unbounded. Causal attention is window_right = 0.
   int64_t diagonal_offset = 0;
+  bool bottom_right = false;
   int64_t window_left = -1;
   int64_t window_right = -1;
   // One float64 slope per outer index (data null: off): −slope·|diagonal − j|
@@ -122,11 +144,47 @@ struct AttentionParams {
 
   DropoutParams dropout;
 
-  // The output (query's dtype) and the log-sum-exp of each row's scores,
-  // dense (num_outer, len_q) in acc_t (float; double for Float64).
+  // The output (query's dtype) and the log-sum-exp of each row's scores in
+  // acc_t (float; double for Float64), one column whose rows are adjacent
+  // (lse_row(p, lse, o)[i] is row i).
   Matrix out;
-  void* lse = nullptr;
+  Matrix lse;
 };
+
+// Where the rows of outer index o start in m, a matrix laid out like p.lse
+// (lse, grad_lse, delta).
+template <typename T>
+FUSEDMHA_HOST_DEVICE T* lse_row(const AttentionParams& p, const Matrix& m, int64_t o) {
+  return matrix_start<T>(p.outer, m, o);
+}
+
+// ---- packed sequences -----------------------------------------------------
+
+FUSEDMHA_HOST_DEVICE void skip_rows(Matrix& m, int64_t rows) { m.start += rows * m.row_stride; }
+
+// p narrowed to the sequence of outer index o (p itself without sequences):
+// its lengths, its bottom-right diagonal, and its rows' starts.
+FUSEDMHA_HOST_DEVICE AttentionParams sequence_of(const AttentionParams& p, int64_t o) {
+  AttentionParams s = p;
+  if (!p.seq.on()) return s;
+  const int64_t b = o / p.seq.heads;
+  if (p.seq.cu_q) {
+    const int64_t first = p.seq.cu_q[b];
+    s.len_q = p.seq.cu_q[b + 1] - first;
+    skip_rows(s.q, first);
+    skip_rows(s.out, first);
+    skip_rows(s.lse, first);
+  }
+  if (p.seq.cu_k) {
+    const int64_t first = p.seq.cu_k[b];
+    s.len_kv = p.seq.cu_k[b + 1] - first;
+    skip_rows(s.k, first);
+    skip_rows(s.v, first);
+  }
+  if (p.seq.used_k) s.len_kv = p.seq.used_k[b];
+  if (p.bottom_right) s.diagonal_offset = s.len_kv - s.len_q;
+  return s;
+}
 
 // ---- the band of keys each query sees ------------------------------------
 
@@ -178,29 +236,52 @@ FUSEDMHA_HOST_DEVICE double sink_logit(const AttentionParams& p, int64_t o) {
   return *matrix_start<const double>(p.outer, p.sinks, o);
 }
 
-// The backward pass: gradients in acc_t, dense, one matrix per outer
-// index (the host sums them over broadcast and grouped heads):
-// grad_k (num_outer, len_kv, dim_qk), grad_v (num_outer, len_kv, dim_v).
-// grad_q is (grad_q_splits, num_outer, len_q, dim_qk), zeroed: the keys
-// are split into grad_q_splits interleaved sets of key blocks, each set
-// summing its share of dQ into its own slice (no two writers ever share
-// memory, so no locks and no atomics on the CPU), and the host adds the
-// slices. The tensor-core CUDA kernel uses one slice and atomics.
+// The backward pass: gradients in acc_t with contiguous rows, one matrix
+// per outer index (the host sums them over broadcast and grouped heads):
+// grad_k (len_kv, dim_qk) and grad_v (len_kv, dim_v) per outer index.
+// grad_q is grad_q_splits zeroed copies of (len_q, dim_qk) per outer
+// index, grad_q_split_stride elements apart: the keys are split into
+// grad_q_splits interleaved sets of key blocks, each set summing its share
+// of dQ into its own copy (no two writers ever share memory, so no locks
+// and no atomics on the CPU), and the host adds the copies. The
+// tensor-core CUDA kernel uses one copy and atomics.
 struct BackwardParams {
   AttentionParams fwd;  // fwd.out and fwd.lse: what the forward returned
   Matrix grad_out;
-  // rowsum(grad_out ∘ out) − grad_lse per row, (num_outer, len_q) acc_t;
-  // the CUDA host computes it; null on the CPU, whose kernels compute it per
-  // block.
-  const void* delta = nullptr;
-  // The gradient of the log-sum-exp, (num_outer, len_q) acc_t, or null: it
-  // adds grad_lse·P to the scores' gradient, i.e. subtracts from D.
-  const void* grad_lse = nullptr;
-  void* grad_q = nullptr;
+  // rowsum(grad_out ∘ out) − grad_lse per row, acc_t, laid out like
+  // fwd.lse; the CUDA host computes it; data null on the CPU, whose kernels
+  // compute it per block.
+  Matrix delta;
+  // The gradient of the log-sum-exp, acc_t, laid out like fwd.lse, or data
+  // null: it adds grad_lse·P to the scores' gradient, i.e. subtracts from D.
+  Matrix grad_lse;
+  Matrix grad_q;
   int64_t grad_q_splits = 1;
-  void* grad_k = nullptr;
-  void* grad_v = nullptr;
+  int64_t grad_q_split_stride = 0;
+  Matrix grad_k;
+  Matrix grad_v;
 };
+
+// bp narrowed to the sequence of outer index o (see sequence_of).
+FUSEDMHA_HOST_DEVICE BackwardParams sequence_of(const BackwardParams& bp, int64_t o) {
+  BackwardParams s = bp;
+  if (!bp.fwd.seq.on()) return s;
+  s.fwd = sequence_of(bp.fwd, o);
+  const int64_t b = o / bp.fwd.seq.heads;
+  if (bp.fwd.seq.cu_q) {
+    const int64_t first = bp.fwd.seq.cu_q[b];
+    skip_rows(s.grad_out, first);
+    skip_rows(s.delta, first);
+    skip_rows(s.grad_lse, first);
+    skip_rows(s.grad_q, first);
+  }
+  if (bp.fwd.seq.cu_k) {
+    const int64_t first = bp.fwd.seq.cu_k[b];
+    skip_rows(s.grad_k, first);
+    skip_rows(s.grad_v, first);
+  }
+  return s;
+}
 
 // The attention weights pass: the probabilities of the forward call
 // (dropout applied), recomputed from fwd.lse and written dense,

@@ -84,12 +84,13 @@ class BackwardKernel {
   static constexpr int64_t w = Vec::size();
 
   BackwardKernel(const BackwardParams& bp, const WorkSplit& split, Arena<acc_t> arena)
-      : bp_(bp), p_(bp.fwd), split_(split), tiles_(bp.fwd), ws_(bp, split, arena) {}
+      : bp_(bp), p_(bp_.fwd), split_(split), tiles_(bp_.fwd), ws_(bp, split, arena) {}
 
   void run(int64_t item) {
     const int64_t splits = bp_.grad_q_splits;
     const int64_t o = item / splits, set = item % splits;
-    acc_t* grad_q = static_cast<acc_t*>(bp_.grad_q) + (set * p_.num_outer + o) * p_.len_q * p_.dim_qk;
+    bp_ = sequence_of(bp_, o);
+    acc_t* grad_q = matrix_start<acc_t>(p_.outer, bp_.grad_q, o) + set * bp_.grad_q_split_stride;
     const int64_t nkb = div_up(p_.len_kv, split_.block_kv);
     for (int64_t kb = set; kb < nkb; kb += splits) key_block(o, kb * split_.block_kv, grad_q);
   }
@@ -148,17 +149,18 @@ class BackwardKernel {
       gemm<acc_t, /*kRowsOfA=*/false, /*kAccumulate=*/false>(
           rows, ws_.dqk, cols, ws_.dst, bq, [&](int64_t e) { return k + e; }, ldk, ws_.dq,
           ws_.dqk);
-      add_scaled_rows(grad_q + q0 * E, ws_.dq, rows);
+      add_scaled_rows(grad_q + q0 * bp_.grad_q.row_stride, ws_.dq, rows);
     }
     write_key_gradients(o, k0, cols);
   }
 
-  // dst[i, :E] += scale · dq[i, :E] for rows i (dst dense, dq ws_.dqk apart).
+  // dst[i, :E] += scale · dq[i, :E] for rows i (dst rows grad_q's row
+  // stride apart, dq's ws_.dqk apart).
   void add_scaled_rows(acc_t* dst, const acc_t* dq, int64_t rows) const {
-    const int64_t E = p_.dim_qk;
+    const int64_t E = p_.dim_qk, ld = bp_.grad_q.row_stride;
     const acc_t scale = static_cast<acc_t>(p_.scale);
     for (int64_t i = 0; i < rows; ++i) {
-      for (int64_t e = 0; e < E; ++e) dst[i * E + e] += scale * dq[i * ws_.dqk + e];
+      for (int64_t e = 0; e < E; ++e) dst[i * ld + e] += scale * dq[i * ws_.dqk + e];
     }
   }
 
@@ -166,9 +168,9 @@ class BackwardKernel {
   // lanes get D = 0 and lse = +inf, so their probabilities are 0.
   void load_row_stats(int64_t o, int64_t q0, int64_t rows, int64_t bq, const acc_t* dout,
                       int64_t lddo) {
-    const acc_t* lse = static_cast<const acc_t*>(p_.lse) + o * p_.len_q + q0;
+    const acc_t* lse = lse_row<const acc_t>(p_, p_.lse, o) + q0;
     const acc_t* grad_lse =
-        bp_.grad_lse ? static_cast<const acc_t*>(bp_.grad_lse) + o * p_.len_q + q0 : nullptr;
+        bp_.grad_lse.data ? lse_row<const acc_t>(p_, bp_.grad_lse, o) + q0 : nullptr;
     const scalar_t* out_rows = tiles_.start(p_.out, o) + q0 * p_.out.row_stride;
     for (int64_t i = 0; i < rows; ++i) {
       const scalar_t* out = out_rows + i * p_.out.row_stride;
@@ -211,16 +213,17 @@ class BackwardKernel {
   void write_key_gradients(int64_t o, int64_t k0, int64_t cols) {
     const int64_t E = p_.dim_qk, Ev = p_.dim_v;
     const acc_t scale = static_cast<acc_t>(p_.scale);
-    acc_t* gk = static_cast<acc_t*>(bp_.grad_k) + (o * p_.len_kv + k0) * E;
-    acc_t* gv = static_cast<acc_t*>(bp_.grad_v) + (o * p_.len_kv + k0) * Ev;
+    const int64_t ldk = bp_.grad_k.row_stride, ldv = bp_.grad_v.row_stride;
+    acc_t* gk = matrix_start<acc_t>(p_.outer, bp_.grad_k, o) + k0 * ldk;
+    acc_t* gv = matrix_start<acc_t>(p_.outer, bp_.grad_v, o) + k0 * ldv;
     for (int64_t j = 0; j < cols; ++j) {
-      for (int64_t e = 0; e < E; ++e) gk[j * E + e] = ws_.dk[j * ws_.dqk + e] * scale;
-      for (int64_t e = 0; e < Ev; ++e) gv[j * Ev + e] = ws_.dvv[j * ws_.dv + e];
+      for (int64_t e = 0; e < E; ++e) gk[j * ldk + e] = ws_.dk[j * ws_.dqk + e] * scale;
+      for (int64_t e = 0; e < Ev; ++e) gv[j * ldv + e] = ws_.dvv[j * ws_.dv + e];
     }
   }
 
-  const BackwardParams& bp_;
-  const AttentionParams& p_;
+  BackwardParams bp_;  // a copy: run() narrows it to the item's sequence
+  const AttentionParams& p_;  // bp_.fwd
   const WorkSplit& split_;
   Tiles tiles_;
   BackwardWorkspace<acc_t> ws_;

@@ -1,5 +1,6 @@
-// CPU kernel of fusedmha::attention_forward: check, allocate, fill the
-// params, draw the dropout stream, run the work items on the threads.
+// CPU kernels of fusedmha::attention_forward and varlen_attention_forward:
+// check, allocate, fill the params, draw the dropout stream, run the work
+// items on the threads.
 
 #include "cpu/isa_kernels.h"
 #include "cpu/work_items.h"
@@ -31,6 +32,19 @@ DropoutParams draw_dropout(double dropout_p) {
   return d;
 }
 
+// Runs the forward pass p on the intra-op threads with a fresh dropout
+// stream, which it records in rng_state.
+void run_forward(AttentionParams p, double dropout_p, const at::Tensor& rng_state) {
+  p.dropout = draw_dropout(dropout_p);
+  rng_state[0] = static_cast<int64_t>(p.dropout.seed);
+  rng_state[1] = static_cast<int64_t>(p.dropout.offset);
+  const IsaKernels kernels = selected_kernels();
+  const WorkSplit split = kernels.forward_configure(p, available_threads());
+  run_items_in_parallel(split.items, split.workspace_bytes, [&](int64_t item, void* workspace) {
+    kernels.forward_item(p, split, item, workspace);
+  });
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cpu(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
@@ -44,16 +58,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cpu(
   auto [out, lse, rng_state] = ops::allocate_attention_outputs(query, key, value, enable_gqa);
   ops::AttentionCall call(ops::kForwardOp, query, key, value, attn_mask, is_causal, scale,
                           enable_gqa, variants, dropout_p);
-  AttentionParams p = call.forward(out, lse);
-  p.dropout = draw_dropout(dropout_p);
-  rng_state[0] = static_cast<int64_t>(p.dropout.seed);
-  rng_state[1] = static_cast<int64_t>(p.dropout.offset);
+  run_forward(call.forward(out, lse), dropout_p, rng_state);
+  return {out, lse, rng_state};
+}
 
-  const IsaKernels kernels = selected_kernels();
-  const WorkSplit split = kernels.forward_configure(p, available_threads());
-  run_items_in_parallel(split.items, split.workspace_bytes, [&](int64_t item, void* workspace) {
-    kernels.forward_item(p, split, item, workspace);
-  });
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_forward_cpu(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+    int64_t max_seqlen_k, double dropout_p, bool is_causal, std::optional<double> scale,
+    int64_t window_left, int64_t window_right, bool bottom_right, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
+    const std::optional<at::Tensor>& seqused_k) {
+  const AttentionVariants variants{window_left, window_right, bottom_right, softcap,
+                                   alibi_slopes, sinks};
+  const ops::PackedBatch batch{cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k};
+  ops::check_varlen_inputs(ops::kVarlenForwardOp, query, key, value, batch, dropout_p, scale,
+                           variants);
+  ops::check_packed_batch_values(ops::kVarlenForwardOp, batch, query.size(0), key.size(0));
+  auto [out, lse, rng_state] = ops::allocate_varlen_outputs(query, value);
+  ops::AttentionCall call(ops::kVarlenForwardOp, query, key, value, batch, is_causal, scale,
+                          variants, dropout_p);
+  run_forward(call.forward(out, lse), dropout_p, rng_state);
   return {out, lse, rng_state};
 }
 
@@ -61,6 +86,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cpu(
 
 TORCH_LIBRARY_IMPL(fusedmha, CPU, m) {
   m.impl("attention_forward", TORCH_FN(attention_forward_cpu));
+  m.impl("varlen_attention_forward", TORCH_FN(varlen_attention_forward_cpu));
 }
 
 }  // namespace fusedmha::cpu

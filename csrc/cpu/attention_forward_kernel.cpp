@@ -65,12 +65,15 @@ class ForwardKernel {
   static constexpr int64_t w = Vec::size();
 
   ForwardKernel(const AttentionParams& p, const WorkSplit& split, Arena<acc_t> arena)
-      : p_(p), split_(split), tiles_(p), ws_(p, split, arena) {}
+      : p_(p), split_(split), tiles_(p_), ws_(p, split, arena) {}
 
   void run(int64_t item) {
+    // Items cover the longest sequence; a shorter one's extra items do nothing.
     const int64_t nqb = div_up(p_.len_q, split_.block_q);
     const int64_t o = item / nqb;
     const int64_t q0 = (item % nqb) * split_.block_q;
+    p_ = sequence_of(p_, o);
+    if (q0 >= p_.len_q) return;
     const int64_t rows = std::min(split_.block_q, p_.len_q - q0);
     const int64_t bq = round_up(rows, nr);  // queries in vector lanes, padded
 
@@ -161,7 +164,7 @@ class ForwardKernel {
 
   void write_output(int64_t o, int64_t q0, int64_t rows) {
     scalar_t* out = matrix_start<scalar_t>(p_.outer, p_.out, o);
-    acc_t* lse = static_cast<acc_t*>(p_.lse) + o * p_.len_q;
+    acc_t* lse = lse_row<acc_t>(p_, p_.lse, o);
     constexpr acc_t inf = std::numeric_limits<acc_t>::infinity();
     constexpr acc_t nan = std::numeric_limits<acc_t>::quiet_NaN();
     for (int64_t i = 0; i < rows; ++i) {
@@ -188,7 +191,7 @@ class ForwardKernel {
     }
   }
 
-  const AttentionParams& p_;
+  AttentionParams p_;  // a copy: run() narrows it to the item's sequence
   const WorkSplit& split_;
   Tiles tiles_;
   ForwardWorkspace<acc_t> ws_;

@@ -93,7 +93,7 @@ class WeightsKernel {
     if (o != packed_o_ || q0 != packed_q0_) {
       tiles_.pack_transposed(p_.q, o, q0, rows, bq, p_.dim_qk, static_cast<acc_t>(p_.scale),
                              ws_.qt);
-      const acc_t* lse = static_cast<const acc_t*>(p_.lse) + o * p_.len_q + q0;
+      const acc_t* lse = lse_row<const acc_t>(p_, p_.lse, o) + q0;
       std::copy(lse, lse + rows, ws_.lse);
       std::fill(ws_.lse + rows, ws_.lse + bq, std::numeric_limits<acc_t>::infinity());
       packed_o_ = o;

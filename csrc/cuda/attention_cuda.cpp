@@ -114,6 +114,26 @@ void check_simple_smem(const at::Tensor& q, size_t need, const char* what) {
               " bytes of shared memory per block for the row accumulators, this GPU has ", have);
 }
 
+void launch_forward(const at::Tensor& query, const AttentionParams& p, bool tensor_cores) {
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  if (tensor_cores) {
+    check_launch(flash_forward(p, stream), "forward (tensor cores)");
+  } else {
+    check_simple_smem(query, simple_forward_smem(p), "forward");
+    check_launch(simple_forward(p, stream), "forward");
+  }
+}
+
+void launch_backward(const at::Tensor& query, const BackwardParams& bp, bool tensor_cores) {
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  if (tensor_cores) {
+    check_launch(flash_backward(bp, stream), "backward (tensor cores)");
+  } else {
+    check_simple_smem(query, simple_backward_smem(bp.fwd), "backward");
+    check_launch(simple_backward(bp, stream), "backward");
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
@@ -137,13 +157,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(
   }
   p.dropout = draw_dropout(dropout_p);
   p.dropout.state_out = rng_state.mutable_data_ptr<int64_t>();
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  if (tensor_cores) {
-    check_launch(flash_forward(p, stream), "forward (tensor cores)");
-  } else {
-    check_simple_smem(query, simple_forward_smem(p), "forward");
-    check_launch(simple_forward(p, stream), "forward");
-  }
+  launch_forward(query, p, tensor_cores);
   return {out, lse, rng_state};
 }
 
@@ -165,28 +179,75 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
                           enable_gqa, variants, dropout_p, row_layout(tensor_cores));
   BackwardParams bp = call.backward(grad_out, out, logsumexp, rng_state, dropout_p);
   check_launch_size(bp.fwd);
-  // D = rowsum(dO ∘ O) − grad_lse, in the accumulation dtype.
-  const auto acc = logsumexp.scalar_type();
-  at::Tensor delta = grad_out.to(acc).mul(out.to(acc)).sum(-1);
-  if (grad_logsumexp.has_value()) delta = delta.sub(grad_logsumexp->to(acc));
-  delta = delta.contiguous();
-  bp.delta = delta.const_data_ptr();
+  call.compute_delta(bp, grad_out, out, grad_logsumexp);
   // One dQ slice: the tensor-core backward sums into it with atomics, the
   // simple one writes each row once.
   const ops::DenseGradients grads = call.allocate_gradients(bp);
 
   const AttentionParams& p = bp.fwd;
   if (p.num_outer * p.len_kv > 0 && p.len_q > 0) {
-    const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-    if (tensor_cores) {
-      check_launch(flash_backward(bp, stream), "backward (tensor cores)");
-    } else {
-      check_simple_smem(query, simple_backward_smem(p), "backward");
-      check_launch(simple_backward(bp, stream), "backward");
-    }
+    launch_backward(query, bp, tensor_cores);
   } else {
     grads.k.zero_();
     grads.v.zero_();
+  }
+  return grads.reduced_to(query, key, value);
+}
+
+// A packed batch's lengths are not read on the host (that would wait for
+// the GPU): the kernels trust max_seqlen_q/k to bound them, as
+// FlashAttention's do.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_forward_cuda(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+    int64_t max_seqlen_k, double dropout_p, bool is_causal, std::optional<double> scale,
+    int64_t window_left, int64_t window_right, bool bottom_right, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
+    const std::optional<at::Tensor>& seqused_k) {
+  const AttentionVariants variants{window_left, window_right, bottom_right, softcap,
+                                   alibi_slopes, sinks};
+  const ops::PackedBatch batch{cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k};
+  ops::check_varlen_inputs(ops::kVarlenForwardOp, query, key, value, batch, dropout_p, scale,
+                           variants);
+  const c10::cuda::CUDAGuard guard(query.device());
+  auto [out, lse, rng_state] = ops::allocate_varlen_outputs(query, value);
+  const bool tensor_cores = use_tensor_cores(query, value, /*backward=*/false);
+  ops::AttentionCall call(ops::kVarlenForwardOp, query, key, value, batch, is_causal, scale,
+                          variants, dropout_p, row_layout(tensor_cores));
+  AttentionParams p = call.forward(out, lse);
+  check_launch_size(p);
+  if (p.num_outer * p.len_q == 0) return {out, lse, rng_state};
+  p.dropout = draw_dropout(dropout_p);
+  p.dropout.state_out = rng_state.mutable_data_ptr<int64_t>();
+  launch_forward(query, p, tensor_cores);
+  return {out, lse, rng_state};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward_cuda(
+    const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
+    const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
+    const at::Tensor& rng_state, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+    int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p, bool is_causal,
+    std::optional<double> scale, int64_t window_left, int64_t window_right, bool bottom_right,
+    double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& seqused_k,
+    const std::optional<at::Tensor>& grad_logsumexp) {
+  const AttentionVariants variants{window_left, window_right, bottom_right, softcap,
+                                   alibi_slopes, sinks};
+  const ops::PackedBatch batch{cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k};
+  ops::check_varlen_backward_inputs(ops::kVarlenBackwardOp, grad_out, query, key, value, out,
+                                    logsumexp, rng_state, batch, dropout_p, scale, variants,
+                                    grad_logsumexp);
+  const c10::cuda::CUDAGuard guard(query.device());
+  const bool tensor_cores = use_tensor_cores(query, value, /*backward=*/true);
+  ops::AttentionCall call(ops::kVarlenBackwardOp, query, key, value, batch, is_causal, scale,
+                          variants, dropout_p, row_layout(tensor_cores));
+  BackwardParams bp = call.backward(grad_out, out, logsumexp, rng_state, dropout_p);
+  check_launch_size(bp.fwd);
+  call.compute_delta(bp, grad_out, out, grad_logsumexp);
+  const ops::DenseGradients grads = call.allocate_gradients(bp);  // zeroed
+  if (bp.fwd.num_outer * bp.fwd.len_kv > 0 && bp.fwd.len_q > 0) {
+    launch_backward(query, bp, tensor_cores);
   }
   return grads.reduced_to(query, key, value);
 }
@@ -224,6 +285,8 @@ TORCH_LIBRARY_IMPL(fusedmha, CUDA, m) {
   m.impl("attention_forward", TORCH_FN(attention_forward_cuda));
   m.impl("attention_backward", TORCH_FN(attention_backward_cuda));
   m.impl("attention_weights", TORCH_FN(attention_weights_cuda));
+  m.impl("varlen_attention_forward", TORCH_FN(varlen_attention_forward_cuda));
+  m.impl("varlen_attention_backward", TORCH_FN(varlen_attention_backward_cuda));
 }
 
 }  // namespace fusedmha::cuda

@@ -27,8 +27,7 @@ namespace fusedmha::cuda {
 namespace flash_bwd {
 
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) kernel(const BackwardParams bp) {
-  const AttentionParams& p = bp.fwd;
+__global__ void __launch_bounds__(kThreads) kernel(const BackwardParams params) {
   T* smem = reinterpret_cast<T*>(dynamic_smem());
   const SwizzledTile<T, kBlockKV, D> k_tile{smem};
   const SwizzledTile<T, kBlockKV, D> v_tile{smem + kBlockKV * D};
@@ -39,9 +38,13 @@ __global__ void __launch_bounds__(kThreads) kernel(const BackwardParams bp) {
   float* lse_s = reinterpret_cast<float*>(dst_tile.data + kBlockKV * kBlockQ);
   float* delta_s = lse_s + kBlockQ;
 
-  const int64_t n_kv_tiles = (p.len_kv + kBlockKV - 1) / kBlockKV;
+  // Tiles cover the longest sequence; a shorter one's extra tiles do nothing.
+  const int64_t n_kv_tiles = (params.fwd.len_kv + kBlockKV - 1) / kBlockKV;
   const int64_t o = blockIdx.x / n_kv_tiles;
   const int64_t k0 = (blockIdx.x % n_kv_tiles) * kBlockKV;
+  const BackwardParams bp = sequence_of(params, o);
+  const AttentionParams& p = bp.fwd;
+  if (k0 >= p.len_kv) return;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t4 = lane % 4;
   const int wr = warp % 4, wc = warp / 4;  // 4 row blocks of 16 x 2 column halves
@@ -51,9 +54,9 @@ __global__ void __launch_bounds__(kThreads) kernel(const BackwardParams bp) {
   const T* q = static_cast<const T*>(p.q.data) + outer_offset(p.outer, p.q, o);
   const T* dout = static_cast<const T*>(bp.grad_out.data) + outer_offset(p.outer, bp.grad_out, o);
   const int64_t mask_base = p.mask_kind == MaskKind::None ? 0 : outer_offset(p.outer, p.mask, o);
-  const float* lse = static_cast<const float*>(bp.fwd.lse) + o * p.len_q;
-  const float* delta = static_cast<const float*>(bp.delta) + o * p.len_q;
-  float* grad_q = static_cast<float*>(bp.grad_q) + o * p.len_q * p.dim_qk;
+  const float* lse = lse_row<const float>(p, p.lse, o);
+  const float* delta = lse_row<const float>(p, bp.delta, o);
+  float* grad_q = matrix_start<float>(p.outer, bp.grad_q, o);
 
   k_tile.template load_async<kThreads>(static_cast<const T*>(p.k.data) + outer_offset(p.outer, p.k, o) + k0 * p.k.row_stride,
                                        p.k.row_stride, kv_rows, dk, tid);
@@ -185,7 +188,7 @@ __global__ void __launch_bounds__(kThreads) kernel(const BackwardParams bp) {
     for (int h = 0; h < 2; ++h) {
       const int64_t i = q0 + wr * 16 + g + 8 * h;
       if (i >= p.len_q) continue;
-      float* dst = grad_q + i * p.dim_qk;
+      float* dst = grad_q + i * bp.grad_q.row_stride;
 #pragma unroll
       for (int n = 0; n < kHalfTiles; ++n) {
 #pragma unroll
@@ -202,8 +205,8 @@ __global__ void __launch_bounds__(kThreads) kernel(const BackwardParams bp) {
 
   // dK (scaled) and dV (times 1/(1−p)) of this CTA's keys, dense fp32 per
   // outer index.
-  float* grad_k = static_cast<float*>(bp.grad_k) + (o * p.len_kv + k0) * p.dim_qk;
-  float* grad_v = static_cast<float*>(bp.grad_v) + (o * p.len_kv + k0) * p.dim_v;
+  float* grad_k = matrix_start<float>(p.outer, bp.grad_k, o) + k0 * bp.grad_k.row_stride;
+  float* grad_v = matrix_start<float>(p.outer, bp.grad_v, o) + k0 * bp.grad_v.row_stride;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = wr * 16 + g + 8 * h;
@@ -213,8 +216,8 @@ __global__ void __launch_bounds__(kThreads) kernel(const BackwardParams bp) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int c = wc * (D / 2) + n * 8 + 2 * t4 + e;
-        if (c < dk) grad_k[r * p.dim_qk + c] = dk_acc[n][2 * h + e] * scale;
-        if (c < dv) grad_v[r * p.dim_v + c] = dv_acc[n][2 * h + e] * keep_scale;
+        if (c < dk) grad_k[r * bp.grad_k.row_stride + c] = dk_acc[n][2 * h + e] * scale;
+        if (c < dv) grad_v[r * bp.grad_v.row_stride + c] = dv_acc[n][2 * h + e] * keep_scale;
       }
     }
   }

@@ -24,18 +24,30 @@ namespace fusedmha::cuda {
 namespace flash_fwd {
 
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) kernel(const AttentionParams p) {
+__global__ void __launch_bounds__(kThreads) kernel(const AttentionParams params) {
   T* smem = reinterpret_cast<T*>(dynamic_smem());
   const SwizzledTile<T, kBlockQ, D> q_tile{smem};
   const SwizzledTile<T, kBlockKV, D> k_tile{smem + kBlockQ * D};
   const SwizzledTile<T, kBlockKV, D> v_tile{smem + (kBlockQ + kBlockKV) * D};
 
   // Heaviest query tiles (the last ones, under causal masking) first.
-  const int64_t n_q_tiles = (p.len_q + kBlockQ - 1) / kBlockQ;
+  // Tiles cover the longest sequence; a shorter one's extra tiles do nothing.
+  const int64_t n_q_tiles = (params.len_q + kBlockQ - 1) / kBlockQ;
   const int64_t o = blockIdx.x / n_q_tiles;
   const int64_t q0 = (n_q_tiles - 1 - blockIdx.x % n_q_tiles) * kBlockQ;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t4 = lane % 4;
+
+  const bool dropout = params.dropout.p > 0.0;
+  const DropoutStream stream = dropout ? dropout_stream(params) : DropoutStream{};
+  // (seed, offset) of this call, (0, 0) without dropout: written by the
+  // kernel so that the host neither waits nor launches anything for it.
+  if (blockIdx.x == 0 && tid == 0 && params.dropout.state_out != nullptr) {
+    params.dropout.state_out[0] = static_cast<int64_t>(stream.seed);
+    params.dropout.state_out[1] = static_cast<int64_t>(stream.offset);
+  }
+  const AttentionParams p = sequence_of(params, o);
+  if (q0 >= p.len_q) return;
 
   const T* q = static_cast<const T*>(p.q.data) + outer_offset(p.outer, p.q, o) + q0 * p.q.row_stride;
   const T* k = static_cast<const T*>(p.k.data) + outer_offset(p.outer, p.k, o);
@@ -51,14 +63,6 @@ __global__ void __launch_bounds__(kThreads) kernel(const AttentionParams p) {
   const bool band = has_band(p);
   const float slope = static_cast<float>(alibi_slope(p, o));
 
-  const bool dropout = p.dropout.p > 0.0;
-  const DropoutStream stream = dropout ? dropout_stream(p) : DropoutStream{};
-  // (seed, offset) of this call, (0, 0) without dropout: written by the
-  // kernel so that the host neither waits nor launches anything for it.
-  if (blockIdx.x == 0 && tid == 0 && p.dropout.state_out != nullptr) {
-    p.dropout.state_out[0] = static_cast<int64_t>(stream.seed);
-    p.dropout.state_out[1] = static_cast<int64_t>(stream.offset);
-  }
   const float scale = static_cast<float>(p.scale);
   const bool has_mask = p.mask_kind != MaskKind::None;
 
@@ -206,7 +210,7 @@ __global__ void __launch_bounds__(kThreads) kernel(const AttentionParams p) {
 
   // Normalise, write the output and the log-sum-exp (natural log).
   T* out = static_cast<T*>(const_cast<void*>(p.out.data)) + outer_offset(p.outer, p.out, o);
-  float* lse = static_cast<float*>(p.lse) + o * p.len_q;
+  float* lse = lse_row<float>(p, p.lse, o);
   const float keep_scale = dropout ? static_cast<float>(1.0 / (1.0 - p.dropout.p)) : 1.0f;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {

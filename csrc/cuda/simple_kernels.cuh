@@ -64,21 +64,24 @@ __device__ __forceinline__ A dot_row(const A* a, const T* b, int64_t stride, int
 constexpr int kWarpsPerBlock = 4;
 
 template <typename T, typename A>
-__global__ void __launch_bounds__(kWarpsPerBlock * 32) forward_kernel(const AttentionParams p) {
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int dk = static_cast<int>(p.dim_qk), dv = static_cast<int>(p.dim_v);
+__global__ void __launch_bounds__(kWarpsPerBlock * 32) forward_kernel(const AttentionParams params) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int dk = static_cast<int>(params.dim_qk), dv = static_cast<int>(params.dim_v);
   A* q_s = reinterpret_cast<A*>(dynamic_smem()) + warp * (dk + dv);
   A* o_s = q_s + dk;
 
-  const bool dropout = p.dropout.p > 0.0;
-  const DropoutStream stream = dropout ? dropout_stream(p) : DropoutStream{};
-  if (blockIdx.x == 0 && threadIdx.x == 0 && p.dropout.state_out != nullptr) {  // (0, 0) without dropout
-    p.dropout.state_out[0] = static_cast<int64_t>(stream.seed);
-    p.dropout.state_out[1] = static_cast<int64_t>(stream.offset);
+  const bool dropout = params.dropout.p > 0.0;
+  const DropoutStream stream = dropout ? dropout_stream(params) : DropoutStream{};
+  if (blockIdx.x == 0 && threadIdx.x == 0 && params.dropout.state_out != nullptr) {  // (0, 0) without dropout
+    params.dropout.state_out[0] = static_cast<int64_t>(stream.seed);
+    params.dropout.state_out[1] = static_cast<int64_t>(stream.offset);
   }
+  // Rows cover the longest sequence; a shorter one's extra rows do nothing.
   const int64_t row = int64_t(blockIdx.x) * kWarpsPerBlock + warp;
-  if (row >= p.num_outer * p.len_q) return;
-  const int64_t o = row / p.len_q, i = row % p.len_q;
+  if (row >= params.num_outer * params.len_q) return;
+  const int64_t o = row / params.len_q, i = row % params.len_q;
+  const AttentionParams p = sequence_of(params, o);
+  if (i >= p.len_q) return;
 
   const T* q = static_cast<const T*>(p.q.data) + outer_offset(p.outer, p.q, o) + i * p.q.row_stride;
   const T* k = static_cast<const T*>(p.k.data) + outer_offset(p.outer, p.k, o);
@@ -136,7 +139,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) forward_kernel(const Atte
   T* out = static_cast<T*>(const_cast<void*>(p.out.data)) + outer_offset(p.outer, p.out, o) +
            i * p.out.row_stride;
   for (int e = lane; e < dv; e += 32) out[e * p.out.col_stride] = from_acc<T>(o_s[e] * inv);
-  if (lane == 0) static_cast<A*>(p.lse)[o * p.len_q + i] = lse;
+  if (lane == 0) lse_row<A>(p, p.lse, o)[i] = lse;
 }
 
 // What the backward needs of element (o, i, j) of the band besides the
@@ -170,17 +173,19 @@ __device__ __forceinline__ BackwardElement<A> backward_element(const AttentionPa
 // recomputing P: dQ with one warp per query row, then dK and dV with one
 // warp per key row. dS = P∘(dP∘Z/(1−p) − D), D = rowsum(dO∘O).
 template <typename T, typename A>
-__global__ void __launch_bounds__(kWarpsPerBlock * 32) backward_dq_kernel(const BackwardParams bp) {
-  const AttentionParams& p = bp.fwd;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int dk = static_cast<int>(p.dim_qk), dv = static_cast<int>(p.dim_v);
+__global__ void __launch_bounds__(kWarpsPerBlock * 32) backward_dq_kernel(const BackwardParams params) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int dk = static_cast<int>(params.fwd.dim_qk), dv = static_cast<int>(params.fwd.dim_v);
   A* q_s = reinterpret_cast<A*>(dynamic_smem()) + warp * (2 * dk + dv);
   A* dq_s = q_s + dk;
   A* do_s = dq_s + dk;
 
   const int64_t row = int64_t(blockIdx.x) * kWarpsPerBlock + warp;
-  if (row >= p.num_outer * p.len_q) return;
-  const int64_t o = row / p.len_q, i = row % p.len_q;
+  if (row >= params.fwd.num_outer * params.fwd.len_q) return;
+  const int64_t o = row / params.fwd.len_q, i = row % params.fwd.len_q;
+  const BackwardParams bp = sequence_of(params, o);
+  const AttentionParams& p = bp.fwd;
+  if (i >= p.len_q) return;
   const DropoutStream stream = p.dropout.p > 0.0 ? dropout_stream(p) : DropoutStream{};
   const T* q = static_cast<const T*>(p.q.data) + outer_offset(p.outer, p.q, o) + i * p.q.row_stride;
   const T* dout = static_cast<const T*>(bp.grad_out.data) + outer_offset(p.outer, bp.grad_out, o) +
@@ -194,8 +199,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) backward_dq_kernel(const 
     dq_s[e] = 0;
   }
   for (int e = lane; e < dv; e += 32) do_s[e] = to_acc<A>(dout[e]);
-  const A lse = static_cast<const A*>(bp.fwd.lse)[o * p.len_q + i];
-  const A delta = static_cast<const A*>(bp.delta)[o * p.len_q + i];
+  const A lse = lse_row<const A>(p, p.lse, o)[i];
+  const A delta = lse_row<const A>(p, bp.delta, o)[i];
 
   const A slope = static_cast<A>(alibi_slope(p, o));
   for (int64_t j = band_key_begin(p, i); j < band_key_end(p, i + 1); ++j) {
@@ -208,23 +213,25 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) backward_dq_kernel(const 
     const A ds = el.p * (dp * el.z - delta) * el.dcap * scale;
     for (int e = lane; e < dk; e += 32) dq_s[e] += ds * to_acc<A>(k_row[e]);
   }
-  A* grad_q = static_cast<A*>(bp.grad_q) + (o * p.len_q + i) * dk;
+  A* grad_q = matrix_start<A>(p.outer, bp.grad_q, o) + i * bp.grad_q.row_stride;
   for (int e = lane; e < dk; e += 32) grad_q[e] = dq_s[e];
 }
 
 template <typename T, typename A>
-__global__ void __launch_bounds__(kWarpsPerBlock * 32) backward_dkdv_kernel(const BackwardParams bp) {
-  const AttentionParams& p = bp.fwd;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int dk = static_cast<int>(p.dim_qk), dv = static_cast<int>(p.dim_v);
+__global__ void __launch_bounds__(kWarpsPerBlock * 32) backward_dkdv_kernel(const BackwardParams params) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int dk = static_cast<int>(params.fwd.dim_qk), dv = static_cast<int>(params.fwd.dim_v);
   A* k_s = reinterpret_cast<A*>(dynamic_smem()) + warp * (2 * dk + 2 * dv);
   A* dk_s = k_s + dk;
   A* v_s = dk_s + dk;
   A* dv_s = v_s + dv;
 
   const int64_t row = int64_t(blockIdx.x) * kWarpsPerBlock + warp;
-  if (row >= p.num_outer * p.len_kv) return;
-  const int64_t o = row / p.len_kv, j = row % p.len_kv;
+  if (row >= params.fwd.num_outer * params.fwd.len_kv) return;
+  const int64_t o = row / params.fwd.len_kv, j = row % params.fwd.len_kv;
+  const BackwardParams bp = sequence_of(params, o);
+  const AttentionParams& p = bp.fwd;
+  if (j >= p.len_kv) return;
   const DropoutStream stream = p.dropout.p > 0.0 ? dropout_stream(p) : DropoutStream{};
   const T* q = static_cast<const T*>(p.q.data) + outer_offset(p.outer, p.q, o);
   const T* dout = static_cast<const T*>(bp.grad_out.data) + outer_offset(p.outer, bp.grad_out, o);
@@ -240,8 +247,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) backward_dkdv_kernel(cons
     v_s[e] = to_acc<A>(v[e]);
     dv_s[e] = 0;
   }
-  const A* lse = static_cast<const A*>(bp.fwd.lse) + o * p.len_q;
-  const A* delta = static_cast<const A*>(bp.delta) + o * p.len_q;
+  const A* lse = lse_row<const A>(p, p.lse, o);
+  const A* delta = lse_row<const A>(p, bp.delta, o);
 
   // Only the queries whose band sees key j.
   const A slope = static_cast<A>(alibi_slope(p, o));
@@ -258,8 +265,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) backward_dkdv_kernel(cons
     for (int e = lane; e < dv; e += 32) dv_s[e] += pd * to_acc<A>(do_row[e]);
     for (int e = lane; e < dk; e += 32) dk_s[e] += ds * to_acc<A>(q_row[e]);
   }
-  A* grad_k = static_cast<A*>(bp.grad_k) + (o * p.len_kv + j) * dk;
-  A* grad_v = static_cast<A*>(bp.grad_v) + (o * p.len_kv + j) * dv;
+  A* grad_k = matrix_start<A>(p.outer, bp.grad_k, o) + j * bp.grad_k.row_stride;
+  A* grad_v = matrix_start<A>(p.outer, bp.grad_v, o) + j * bp.grad_v.row_stride;
   for (int e = lane; e < dk; e += 32) grad_k[e] = dk_s[e];
   for (int e = lane; e < dv; e += 32) grad_v[e] = dv_s[e];
 }
@@ -302,7 +309,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) weights_kernel(const Weig
       } else if (p.mask_kind != MaskKind::None) {
         x += mask_term<A>(p, outer_offset(p.outer, p.mask, o), i, j);
       }
-      const A lse = static_cast<const A*>(wp.fwd.lse)[o * p.len_q + i];
+      const A lse = lse_row<const A>(p, p.lse, o)[i];
       A pr = x == A(-INFINITY) ? A(0) : exp_acc(x - lse);
       if (dropout) pr *= dropout_keeps(stream, p.dropout.threshold, o, i, j) ? keep_scale : A(0);
       w += pr;

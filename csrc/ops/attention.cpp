@@ -31,6 +31,15 @@ using WeightsSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const 
 using SdpaSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                  const OptTensor&, double, bool, std::optional<double>, bool,
                                  FUSEDMHA_VARIANT_TYPES);
+using VarlenForwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    const at::Tensor&, int64_t, int64_t, double, bool, std::optional<double>,
+    FUSEDMHA_VARIANT_TYPES, const OptTensor&);
+using VarlenBackwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    const at::Tensor&, int64_t, int64_t, double, bool, std::optional<double>,
+    FUSEDMHA_VARIANT_TYPES, const OptTensor&, const OptTensor&);
 
 template <typename Signature>
 c10::TypedOperatorHandle<Signature> find_op(const char* name) {
@@ -105,6 +114,29 @@ at::Tensor attention_weights(const at::Tensor& query, const at::Tensor& key,
   static const auto op = find_op<WeightsSignature>("fusedmha::attention_weights");
   return op.call(query, key, logsumexp, rng_state, attn_mask, dropout_p, is_causal, scale,
                  enable_gqa, average_heads, FUSEDMHA_VARIANT_ARGS(variants));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_forward(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+    int64_t max_seqlen_k, double dropout_p, bool is_causal, std::optional<double> scale,
+    const AttentionVariants& variants, const OptTensor& seqused_k) {
+  static const auto op = find_op<VarlenForwardSignature>("fusedmha::varlen_attention_forward");
+  return op.call(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                 dropout_p, is_causal, scale, FUSEDMHA_VARIANT_ARGS(variants), seqused_k);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward(
+    const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
+    const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
+    const at::Tensor& rng_state, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+    int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p, bool is_causal,
+    std::optional<double> scale, const AttentionVariants& variants, const OptTensor& seqused_k,
+    const OptTensor& grad_logsumexp) {
+  static const auto op = find_op<VarlenBackwardSignature>("fusedmha::varlen_attention_backward");
+  return op.call(grad_out, query, key, value, out, logsumexp, rng_state, cu_seqlens_q,
+                 cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, is_causal, scale,
+                 FUSEDMHA_VARIANT_ARGS(variants), seqused_k, grad_logsumexp);
 }
 
 TORCH_LIBRARY_IMPL(fusedmha, CompositeImplicitAutograd, m) {

@@ -235,6 +235,106 @@ class AttentionWeightsFunction : public torch::autograd::Function<AttentionWeigh
   }
 };
 
+// A packed batch's lengths (ops/packed_batch.h), kept for its backward.
+void save_packed_batch(AutogradContext* ctx, const PackedBatch& batch) {
+  ctx->saved_data["cu_seqlens_q"] = batch.cu_seqlens_q;
+  ctx->saved_data["cu_seqlens_k"] = batch.cu_seqlens_k;
+  ctx->saved_data["max_seqlen_q"] = batch.max_seqlen_q;
+  ctx->saved_data["max_seqlen_k"] = batch.max_seqlen_k;
+  ctx->saved_data["seqused_k"] = AttentionCall::optional(batch.seqused_k);
+}
+
+PackedBatch load_packed_batch(AutogradContext* ctx) {
+  return {ctx->saved_data["cu_seqlens_q"].toTensor(), ctx->saved_data["cu_seqlens_k"].toTensor(),
+          ctx->saved_data["max_seqlen_q"].toInt(), ctx->saved_data["max_seqlen_k"].toInt(),
+          AttentionCall::optional_tensor(ctx->saved_data["seqused_k"])};
+}
+
+// varlen_attention_forward: as AttentionFunction, on a packed batch.
+class VarlenAttentionFunction : public torch::autograd::Function<VarlenAttentionFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& query,
+                               const at::Tensor& key, const at::Tensor& value,
+                               const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                               int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p,
+                               bool is_causal, std::optional<double> scale, int64_t window_left,
+                               int64_t window_right, bool bottom_right, double softcap,
+                               const std::optional<at::Tensor>& alibi_slopes,
+                               const std::optional<at::Tensor>& sinks,
+                               const std::optional<at::Tensor>& seqused_k) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    const AttentionCall call{std::nullopt, dropout_p, is_causal, scale, /*enable_gqa=*/true,
+                             {window_left, window_right, bottom_right, softcap, alibi_slopes,
+                              sinks}};
+    const PackedBatch batch{cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k};
+    auto [out, lse, rng_state] = fusedmha::varlen_attention_forward(
+        query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+        is_causal, scale, call.variants, seqused_k);
+    ctx->mark_non_differentiable({rng_state});
+    ctx->save_for_backward({query, key, value, out, lse, rng_state});
+    call.save(ctx);
+    save_packed_batch(ctx, batch);
+    return {out, lse, rng_state};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor& out = saved[3];
+    const at::Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(out);
+    const AttentionCall call = AttentionCall::load(ctx);
+    const PackedBatch batch = load_packed_batch(ctx);
+    const std::optional<at::Tensor> grad_lse =
+        grads[1].defined() ? std::optional<at::Tensor>(grads[1]) : std::nullopt;
+    auto [dq, dk, dv] = fusedmha::varlen_attention_backward(
+        grad_out, saved[0], saved[1], saved[2], out, saved[4], saved[5], batch.cu_seqlens_q,
+        batch.cu_seqlens_k, batch.max_seqlen_q, batch.max_seqlen_k, call.dropout_p,
+        call.is_causal, call.scale, call.variants, batch.seqused_k, grad_lse);
+    variable_list result(17);
+    result[0] = dq;
+    result[1] = dk;
+    result[2] = dv;
+    if (call.variants.sinks.has_value()) {
+      // Row terms (H, total_q), laid out as the lse.
+      const auto acc = saved[4].scalar_type();
+      at::Tensor row_terms = grad_out.to(acc).mul(out.to(acc)).sum(-1).t();
+      if (grad_lse.has_value()) row_terms = row_terms.sub(grad_lse->to(acc));
+      result[15] = sinks_gradient(*call.variants.sinks, saved[4], row_terms);
+    }
+    return result;
+  }
+};
+
+// The varlen backward op, differentiable only in name (see
+// AttentionBackwardFunction).
+class VarlenBackwardFunction : public torch::autograd::Function<VarlenBackwardFunction> {
+ public:
+  static variable_list forward(AutogradContext*, const at::Tensor& grad_out,
+                               const at::Tensor& query, const at::Tensor& key,
+                               const at::Tensor& value, const at::Tensor& out,
+                               const at::Tensor& logsumexp, const at::Tensor& rng_state,
+                               const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                               int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p,
+                               bool is_causal, std::optional<double> scale, int64_t window_left,
+                               int64_t window_right, bool bottom_right, double softcap,
+                               const std::optional<at::Tensor>& alibi_slopes,
+                               const std::optional<at::Tensor>& sinks,
+                               const std::optional<at::Tensor>& seqused_k,
+                               const std::optional<at::Tensor>& grad_logsumexp) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [dq, dk, dv] = fusedmha::varlen_attention_backward(
+        grad_out, query, key, value, out, logsumexp, rng_state, cu_seqlens_q, cu_seqlens_k,
+        max_seqlen_q, max_seqlen_k, dropout_p, is_causal, scale,
+        {window_left, window_right, bottom_right, softcap, alibi_slopes, sinks}, seqused_k,
+        grad_logsumexp);
+    return {dq, dk, dv};
+  }
+
+  static variable_list backward(AutogradContext*, variable_list) {
+    TORCH_CHECK(false, kVarlenBackwardOp,
+                ": double backward (differentiating its gradients again) is not supported");
+  }
+};
+
 // Called before Function::apply: the slopes get no gradient.
 void check_slopes_need_no_grad(const char* op, const std::optional<at::Tensor>& alibi_slopes) {
   TORCH_CHECK(!alibi_slopes.has_value() || !alibi_slopes->requires_grad() ||
@@ -286,9 +386,42 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_autograd(
   return {outputs[0], outputs[1], outputs[2]};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_forward_autograd(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+    int64_t max_seqlen_k, double dropout_p, bool is_causal, std::optional<double> scale,
+    int64_t window_left, int64_t window_right, bool bottom_right, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
+    const std::optional<at::Tensor>& seqused_k) {
+  check_slopes_need_no_grad(kVarlenForwardOp, alibi_slopes);
+  auto outputs = VarlenAttentionFunction::apply(
+      query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+      is_causal, scale, window_left, window_right, bottom_right, softcap, alibi_slopes, sinks,
+      seqused_k);
+  return {outputs[0], outputs[1], outputs[2]};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward_autograd(
+    const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
+    const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
+    const at::Tensor& rng_state, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+    int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p, bool is_causal,
+    std::optional<double> scale, int64_t window_left, int64_t window_right, bool bottom_right,
+    double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& seqused_k,
+    const std::optional<at::Tensor>& grad_logsumexp) {
+  auto grads = VarlenBackwardFunction::apply(
+      grad_out, query, key, value, out, logsumexp, rng_state, cu_seqlens_q, cu_seqlens_k,
+      max_seqlen_q, max_seqlen_k, dropout_p, is_causal, scale, window_left, window_right,
+      bottom_right, softcap, alibi_slopes, sinks, seqused_k, grad_logsumexp);
+  return {grads[0], grads[1], grads[2]};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fusedmha, Autograd, m) {
+  m.impl("varlen_attention_forward", TORCH_FN(varlen_attention_forward_autograd));
+  m.impl("varlen_attention_backward", TORCH_FN(varlen_attention_backward_autograd));
   m.impl("attention_forward", TORCH_FN(attention_forward_autograd));
   m.impl("attention_backward", TORCH_FN(attention_backward_autograd));
   m.impl("attention_weights", TORCH_FN(attention_weights_autograd));

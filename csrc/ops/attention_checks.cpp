@@ -2,6 +2,8 @@
 
 #include "ops/attention_shapes.h"
 
+#include <ATen/ops/diff.h>
+
 #include <cmath>
 
 namespace fusedmha::ops {
@@ -176,6 +178,118 @@ void check_attention_weights_inputs(const char* op,
                                     const AttentionVariants& variants) {
   check_attention_inputs(op, query, key, key, attn_mask, dropout_p, scale, enable_gqa, variants);
   check_saved_state(op, query, key, key, logsumexp, rng_state, enable_gqa);
+}
+
+namespace {
+
+// An int32 vector of n entries on the query's device (cu_seqlens, seqused_k).
+void check_lengths_tensor(const char* op, const char* name, const at::Tensor& t,
+                          const c10::SymInt& n, const char* expected, const at::Tensor& query) {
+  TORCH_CHECK(t.scalar_type() == at::kInt && t.dim() == 1 && t.sym_size(0) == n, op,
+              ": expected ", name, " of dtype int32 and shape ", expected, " = [", n, "], got ",
+              t.scalar_type(), " of shape ", shape_str(t.sym_sizes()));
+  TORCH_CHECK(t.device() == query.device(), op, ": expected ", name,
+              " on the query's device (", query.device(), "), got ", t.device());
+}
+
+}  // namespace
+
+void check_varlen_inputs(const char* op, const at::Tensor& query, const at::Tensor& key,
+                         const at::Tensor& value, const PackedBatch& batch, double dropout_p,
+                         std::optional<double> scale, const AttentionVariants& variants) {
+  TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3, op,
+              ": expected a packed batch: query (total_q, H, E), key (total_k, H_kv, E) and "
+              "value (total_k, H_kv, Ev), got query ", shape_str(query.sym_sizes()), ", key ",
+              shape_str(key.sym_sizes()), " and value ", shape_str(value.sym_sizes()));
+  const c10::SymInt h = query.sym_size(1), h_kv = key.sym_size(1);
+  TORCH_CHECK(value.sym_size(1) == h_kv && value.sym_size(0) == key.sym_size(0), op,
+              ": expected value (total_k, H_kv, Ev) with key's total_k and H_kv, got key ",
+              shape_str(key.sym_sizes()), " and value ", shape_str(value.sym_sizes()));
+  TORCH_CHECK(h_kv > 0 && h % h_kv == 0, op,
+              ": expected query's heads to be a multiple of key's (grouped-query attention), got ",
+              h, " and ", h_kv);
+  // Dtypes, devices, head dims, dropout, scale and the variants as for one
+  // sequence: (H, total, E) views of the same tensors.
+  check_attention_inputs(op, query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
+                         std::nullopt, dropout_p, scale, /*enable_gqa=*/true, AttentionVariants{
+                             variants.window_left, variants.window_right, variants.bottom_right,
+                             variants.softcap, std::nullopt, variants.sinks});
+  const c10::SymInt b = batch.cu_seqlens_q.dim() == 1 ? batch.cu_seqlens_q.sym_size(0) - 1 : -1;
+  TORCH_CHECK(b >= 0, op, ": expected cu_seqlens_q of shape (B + 1), got ",
+              shape_str(batch.cu_seqlens_q.sym_sizes()));
+  check_lengths_tensor(op, "cu_seqlens_q", batch.cu_seqlens_q, b + 1, "(B + 1)", query);
+  check_lengths_tensor(op, "cu_seqlens_k", batch.cu_seqlens_k, b + 1, "(B + 1)", query);
+  if (batch.seqused_k.has_value()) {
+    check_lengths_tensor(op, "seqused_k", *batch.seqused_k, b, "(B)", query);
+  }
+  TORCH_CHECK(batch.max_seqlen_q >= 0 && batch.max_seqlen_k >= 0, op,
+              ": expected max_seqlen_q and max_seqlen_k >= 0, got ", batch.max_seqlen_q, " and ",
+              batch.max_seqlen_k);
+  if (variants.alibi_slopes.has_value()) {
+    // Per head, or per sequence and head: checked as for (B, H, L, E).
+    check_variants(op, query, {b, h},
+                   AttentionVariants{-1, -1, false, 0.0, variants.alibi_slopes, std::nullopt});
+  }
+}
+
+void check_varlen_backward_inputs(const char* op, const at::Tensor& grad_out,
+                                  const at::Tensor& query, const at::Tensor& key,
+                                  const at::Tensor& value, const at::Tensor& out,
+                                  const at::Tensor& logsumexp, const at::Tensor& rng_state,
+                                  const PackedBatch& batch, double dropout_p,
+                                  std::optional<double> scale, const AttentionVariants& variants,
+                                  const std::optional<at::Tensor>& grad_logsumexp) {
+  check_varlen_inputs(op, query, key, value, batch, dropout_p, scale, variants);
+  TORCH_CHECK(rng_state.dim() == 1 && rng_state.sym_size(0) == 2 &&
+                  rng_state.scalar_type() == at::kLong,
+              op, ": expected rng_state as varlen_attention_forward returns it (int64 of shape "
+              "[2]), got ", rng_state.scalar_type(), " of shape ", shape_str(rng_state.sym_sizes()));
+  const auto lse_dtype = query.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const std::vector<c10::SymInt> lse_shape{query.sym_size(1), query.sym_size(0)};
+  TORCH_CHECK(logsumexp.sym_sizes() == c10::SymIntArrayRef(lse_shape) &&
+                  logsumexp.scalar_type() == lse_dtype && logsumexp.device() == query.device(),
+              op, ": expected logsumexp as varlen_attention_forward returns it (", lse_dtype,
+              " of shape (H, total_q) = ", shape_str(lse_shape), "), got ",
+              logsumexp.scalar_type(), " of shape ", shape_str(logsumexp.sym_sizes()));
+  check_grad_logsumexp(op, grad_logsumexp, logsumexp);
+  const std::vector<c10::SymInt> out_shape{query.sym_size(0), query.sym_size(1),
+                                           value.sym_size(2)};
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"grad_out", &grad_out},
+                                {"out", &out}}) {
+    TORCH_CHECK(t->sym_sizes() == c10::SymIntArrayRef(out_shape), op, ": expected ", name,
+                " of the forward output's shape (total_q, H, Ev) = ", shape_str(out_shape),
+                ", got ", shape_str(t->sym_sizes()));
+    TORCH_CHECK(t->scalar_type() == query.scalar_type() && t->device() == query.device(), op,
+                ": expected ", name, " of dtype ", query.scalar_type(), " on ", query.device(),
+                ", got ", t->scalar_type(), " on ", t->device());
+  }
+}
+
+void check_packed_batch_values(const char* op, const PackedBatch& batch, int64_t total_q,
+                               int64_t total_k) {
+  using Lengths = std::tuple<const char*, const char*, const at::Tensor*, int64_t, int64_t>;
+  for (const auto& [name, max_name, cu, total, max_len] :
+       {Lengths{"cu_seqlens_q", "max_seqlen_q", &batch.cu_seqlens_q, total_q, batch.max_seqlen_q},
+        Lengths{"cu_seqlens_k", "max_seqlen_k", &batch.cu_seqlens_k, total_k,
+                batch.max_seqlen_k}}) {
+    const at::Tensor values = cu->to(at::kLong);
+    const int64_t first = values[0].item<int64_t>(), last = values[-1].item<int64_t>();
+    TORCH_CHECK(first >= 0 && last <= total, op, ": ", name, " must lie within the ", total,
+                " rows of the packed tensors, got ", first, " .. ", last);
+    const at::Tensor lengths = at::diff(values);
+    TORCH_CHECK(lengths.numel() == 0 || lengths.min().item<int64_t>() >= 0, op, ": ", name,
+                " must be non-decreasing (cumulative sequence lengths)");
+    const int64_t longest = lengths.numel() ? lengths.max().item<int64_t>() : 0;
+    TORCH_CHECK(longest <= max_len, op, ": ", max_name, " = ", max_len,
+                " is smaller than the longest sequence in ", name, " (", longest, ")");
+  }
+  if (batch.seqused_k.has_value()) {
+    const at::Tensor used = batch.seqused_k->to(at::kLong);
+    const at::Tensor keys = at::diff(batch.cu_seqlens_k.to(at::kLong));
+    TORCH_CHECK(used.numel() == 0 || (used.min().item<int64_t>() >= 0 &&
+                                      used.le(keys).all().item<bool>()),
+                op, ": seqused_k must be >= 0 and at most each sequence's keys in cu_seqlens_k");
+  }
 }
 
 }  // namespace fusedmha::ops

@@ -7,6 +7,8 @@
 // bad argument. Works on symbolic sizes, so the Meta kernels run it under
 // torch.compile.
 
+#include "ops/packed_batch.h"
+
 #include <fusedmha/attention.h>
 
 #include <ATen/core/Tensor.h>
@@ -20,6 +22,8 @@ inline constexpr const char* kForwardOp = "fusedmha.attention_forward";
 inline constexpr const char* kBackwardOp = "fusedmha.attention_backward";
 inline constexpr const char* kWeightsOp = "fusedmha.attention_weights";
 inline constexpr const char* kSdpaOp = "fusedmha.scaled_dot_product_attention";
+inline constexpr const char* kVarlenForwardOp = "fusedmha.varlen_attention_forward";
+inline constexpr const char* kVarlenBackwardOp = "fusedmha.varlen_attention_backward";
 
 // query (..., L, E), key (..., S, E), value (..., S, Ev): dtypes, devices,
 // matching dims, broadcastable batch/head dims (or GQA), attn_mask dtype and
@@ -66,5 +70,35 @@ void check_attention_weights_inputs(const char* op,
                                     std::optional<double> scale,
                                     bool enable_gqa,
                                     const AttentionVariants& variants);
+
+// A packed batch (ops/packed_batch.h): query (total_q, H, E), key
+// (total_k, H_kv, E), value (total_k, H_kv, Ev), H a multiple of H_kv,
+// dtypes and devices as check_attention_inputs; the lengths' dtypes, shapes
+// and devices (not their values: see check_packed_batch_values);
+// dropout_p, scale and the variants as check_attention_inputs, with
+// alibi_slopes (H) or (B, H).
+void check_varlen_inputs(const char* op, const at::Tensor& query, const at::Tensor& key,
+                         const at::Tensor& value, const PackedBatch& batch, double dropout_p,
+                         std::optional<double> scale, const AttentionVariants& variants);
+
+// check_varlen_inputs, plus grad_out and out (total_q, H, Ev) of the
+// query's dtype, logsumexp (H, total_q) and rng_state as
+// varlen_attention_forward returned them, and grad_logsumexp (when given)
+// of the logsumexp's shape.
+void check_varlen_backward_inputs(const char* op, const at::Tensor& grad_out,
+                                  const at::Tensor& query, const at::Tensor& key,
+                                  const at::Tensor& value, const at::Tensor& out,
+                                  const at::Tensor& logsumexp, const at::Tensor& rng_state,
+                                  const PackedBatch& batch, double dropout_p,
+                                  std::optional<double> scale, const AttentionVariants& variants,
+                                  const std::optional<at::Tensor>& grad_logsumexp);
+
+// The values of a packed batch's lengths, where reading them costs nothing
+// (the CPU; on a GPU it would wait for the device): cumulative lengths
+// non-decreasing from >= 0 up to the rows there are, seqused_k within each
+// sequence's keys, and max_seqlen_q/k at least every length (a smaller
+// bound would leave rows uncomputed).
+void check_packed_batch_values(const char* op, const PackedBatch& batch, int64_t total_q,
+                               int64_t total_k);
 
 }  // namespace fusedmha::ops

@@ -67,6 +67,51 @@ AttentionCall::AttentionCall(const char* op, const at::Tensor& query, const at::
     group_ = query.size(-3) / key.size(-3);
     outer_shape_.back() /= group_;  // the K/V heads
   }
+  set_outer_shape(op);
+  AttentionParams& p = inputs_;
+  p.dtype = dtype_of(query.scalar_type());
+  p.len_q = query.size(-2) * group_;
+  p.len_kv = key.size(-2);
+  p.dim_qk = query.size(-1);
+  p.dim_v = value.size(-1);
+  p.q = describe_in_layout(query, true);
+  p.k = describe_in_layout(key, false);
+  p.v = describe_in_layout(value, false);
+  if (attn_mask.has_value() && !use_key_lengths(*attn_mask)) {
+    p.mask = describe(*attn_mask);
+    p.mask_kind = mask_kind_of(*attn_mask, query);
+  }
+  set_variants(is_causal, scale, variants);
+  if (group_ > 1) p.window_right = -1;  // (one bottom-right query row: it hides nothing)
+}
+
+AttentionCall::AttentionCall(const char* op, const at::Tensor& query, const at::Tensor& key,
+                             const at::Tensor& value, const PackedBatch& batch, bool is_causal,
+                             std::optional<double> scale, const AttentionVariants& variants,
+                             double dropout_p, RowLayout layout)
+    : query_(query), layout_(layout), packed_batch_(true) {
+  (void)dropout_p;  // (the dropout stream is drawn or replayed by the passes)
+  outer_shape_ = {batch.cu_seqlens_q.size(0) - 1, query.size(1)};
+  set_outer_shape(op);
+  AttentionParams& p = inputs_;
+  p.dtype = dtype_of(query.scalar_type());
+  // Items cover the longest sequence (no longer than all the rows).
+  p.len_q = std::min(batch.max_seqlen_q, query.size(0));
+  p.len_kv = std::min(batch.max_seqlen_k, key.size(0));
+  p.dim_qk = query.size(-1);
+  p.dim_v = value.size(-1);
+  p.q = describe_in_layout(query, true);
+  p.k = describe_in_layout(key, false);
+  p.v = describe_in_layout(value, false);
+  p.seq.cu_q = batch.cu_seqlens_q.const_data_ptr<int32_t>();
+  p.seq.cu_k = batch.cu_seqlens_k.const_data_ptr<int32_t>();
+  if (batch.seqused_k.has_value()) p.seq.used_k = batch.seqused_k->const_data_ptr<int32_t>();
+  p.seq.heads = outer_shape_[1];
+  key_rows_ = key.size(0);
+  set_variants(is_causal, scale, variants);
+}
+
+void AttentionCall::set_outer_shape(const char* op) {
   // Outer dims of size 1 take no part in the kernels' indexing.
   AttentionParams& p = inputs_;
   p.num_outer = 1;
@@ -78,24 +123,17 @@ AttentionCall::AttentionCall(const char* op, const at::Tensor& query, const at::
                 c10::IntArrayRef(outer_shape_));
     p.outer.size[p.outer.dims++] = size;
   }
-  p.dtype = dtype_of(query.scalar_type());
-  p.len_q = query.size(-2) * group_;
-  p.len_kv = key.size(-2);
-  p.dim_qk = query.size(-1);
-  p.dim_v = value.size(-1);
-  p.q = describe_in_layout(packed(query));
-  p.k = describe_in_layout(key);
-  p.v = describe_in_layout(value);
-  if (attn_mask.has_value() && !use_key_lengths(*attn_mask)) {
-    p.mask = describe(*attn_mask);
-    p.mask_kind = mask_kind_of(*attn_mask, query);
-  }
-  p.scale = attention_scale(query, scale);
+}
+
+void AttentionCall::set_variants(bool is_causal, std::optional<double> scale,
+                                 const AttentionVariants& variants) {
+  AttentionParams& p = inputs_;
+  p.scale = attention_scale(query_, scale);
   p.softcap = variants.softcap;
+  p.bottom_right = variants.bottom_right;
   p.diagonal_offset = variants.bottom_right ? p.len_kv - p.len_q : 0;
   p.window_left = variants.window_left;
   p.window_right = is_causal ? 0 : variants.window_right;  // causal: nothing right of the diagonal
-  if (group_ > 1) p.window_right = -1;  // (one bottom-right query row: it hides nothing)
   if (variants.alibi_slopes.has_value()) p.alibi_slopes = describe_per_head(*variants.alibi_slopes);
   if (variants.sinks.has_value()) p.sinks = describe_per_head(*variants.sinks);
 }
@@ -158,10 +196,41 @@ Matrix AttentionCall::describe(const at::Tensor& t) const {
   return m;
 }
 
-Matrix AttentionCall::describe_in_layout(const at::Tensor& t) {
+Matrix AttentionCall::describe_rows(const at::Tensor& t, bool query_rows) const {
+  if (!packed_batch_) return describe(query_rows ? packed(t) : t);
+  // t (rows, heads, cols): the outer dims are (sequences, heads); a
+  // sequence's rows are found through the params' Sequences, so the
+  // sequence dim has stride 0.
+  Matrix m;
+  m.data = const_cast<void*>(t.const_data_ptr());
+  int c = 0;
+  if (outer_shape_[0] != 1) ++c;
+  const int64_t heads = outer_shape_[1];
+  if (heads != 1) {
+    if (t.size(1) != 1) {
+      m.outer_stride[c] = t.stride(1);
+      m.divisor[c] = heads / t.size(1);  // grouped-query heads
+    }
+    ++c;
+  }
+  m.row_stride = t.stride(0);
+  m.col_stride = broadcast_stride(t, -1);
+  return m;
+}
+
+Matrix AttentionCall::describe_in_layout(const at::Tensor& t, bool query_rows) {
   const at::Tensor laid_out = layout_(t);
   if (!laid_out.is_same(t)) kept_.push_back(laid_out);
-  return describe(laid_out);
+  return describe_rows(laid_out, query_rows);
+}
+
+Matrix AttentionCall::describe_lse(const at::Tensor& lse) {
+  TORCH_INTERNAL_ASSERT(lse.is_contiguous());
+  // (..., H, L) as (..., H, L, 1); (H, total_q) as (total_q, H, 1).
+  Matrix m = packed_batch_ ? describe_rows(lse.t().unsqueeze(-1), true)
+                           : describe(packed(lse.unsqueeze(-1)));
+  m.row_stride = 1;
+  return m;
 }
 
 DropoutParams AttentionCall::replay_dropout(const at::Tensor& rng_state, double dropout_p) {
@@ -183,8 +252,8 @@ DropoutParams AttentionCall::replay_dropout(const at::Tensor& rng_state, double 
 
 AttentionParams AttentionCall::forward(const at::Tensor& out, const at::Tensor& lse) {
   AttentionParams p = inputs_;
-  p.out = describe(packed(out));
-  p.lse = lse.mutable_data_ptr();  // (…, H, 1) is (…, H_kv, G) in memory
+  p.out = describe_rows(out, true);
+  p.lse = describe_lse(lse);
   return p;
 }
 
@@ -194,15 +263,14 @@ BackwardParams AttentionCall::backward(const at::Tensor& grad_out, const at::Ten
                                        const std::optional<at::Tensor>& grad_logsumexp) {
   BackwardParams bp;
   bp.fwd = inputs_;
-  bp.fwd.out = describe_in_layout(packed(out));
-  const at::Tensor lse = logsumexp.contiguous();
-  kept_.push_back(lse);
-  bp.fwd.lse = const_cast<void*>(lse.const_data_ptr());
+  bp.fwd.out = describe_in_layout(out, true);
+  kept_.push_back(logsumexp.contiguous());
+  bp.fwd.lse = describe_lse(kept_.back());
   bp.fwd.dropout = replay_dropout(rng_state, dropout_p);
-  bp.grad_out = describe_in_layout(packed(grad_out));
+  bp.grad_out = describe_in_layout(grad_out, true);
   if (grad_logsumexp.has_value()) {
     kept_.push_back(grad_logsumexp->to(logsumexp.scalar_type()).contiguous());
-    bp.grad_lse = kept_.back().const_data_ptr();
+    bp.grad_lse = describe_lse(kept_.back());
   }
   return bp;
 }
@@ -211,33 +279,64 @@ DenseGradients AttentionCall::allocate_gradients(BackwardParams& bp) const {
   const auto acc = query_.options().dtype(query_.scalar_type() == at::kDouble ? at::kDouble
                                                                               : at::kFloat);
   const AttentionParams& p = bp.fwd;
-  std::vector<int64_t> shape = outer_shape_;
-  shape.insert(shape.begin(), bp.grad_q_splits);
-  shape.insert(shape.end(), {p.len_q, p.dim_qk});
   DenseGradients g;
-  if (group_ > 1) {
-    // Packed query heads: the same memory as (splits, ..., H, 1, E).
-    std::vector<int64_t> unpacked = shape;
-    unpacked.end()[-3] *= group_;
-    unpacked.end()[-2] = 1;
-    g.q = at::zeros(unpacked, acc);
+  if (packed_batch_) {
+    // Rows no sequence covers get no gradient: zeroed, like the rest.
+    const int64_t heads = outer_shape_[1];
+    g.packed_batch = true;
+    g.q = at::zeros({bp.grad_q_splits, query_.size(0), heads, p.dim_qk}, acc);
+    g.k = at::zeros({key_rows_, heads, p.dim_qk}, acc);
+    g.v = at::zeros({key_rows_, heads, p.dim_v}, acc);
   } else {
-    g.q = at::zeros(shape, acc);
+    std::vector<int64_t> shape = outer_shape_;
+    shape.insert(shape.begin(), bp.grad_q_splits);
+    shape.insert(shape.end(), {p.len_q, p.dim_qk});
+    if (group_ > 1) {
+      // Packed query heads: the same memory as (splits, ..., H, 1, E).
+      std::vector<int64_t> unpacked = shape;
+      unpacked.end()[-3] *= group_;
+      unpacked.end()[-2] = 1;
+      g.q = at::zeros(unpacked, acc);
+    } else {
+      g.q = at::zeros(shape, acc);
+    }
+    shape.erase(shape.begin());
+    shape.end()[-2] = p.len_kv;
+    g.k = at::empty(shape, acc);
+    shape.back() = p.dim_v;
+    g.v = at::empty(shape, acc);
   }
-  shape.erase(shape.begin());
-  shape.end()[-2] = p.len_kv;
-  g.k = at::empty(shape, acc);
-  shape.back() = p.dim_v;
-  g.v = at::empty(shape, acc);
-  bp.grad_q = g.q.mutable_data_ptr();
-  bp.grad_k = g.k.mutable_data_ptr();
-  bp.grad_v = g.v.mutable_data_ptr();
+  bp.grad_q = describe_rows(g.q.select(0, 0), true);
+  bp.grad_q_split_stride = g.q.stride(0);
+  bp.grad_k = describe_rows(g.k, false);
+  bp.grad_v = describe_rows(g.v, false);
   return g;
+}
+
+void AttentionCall::compute_delta(BackwardParams& bp, const at::Tensor& grad_out,
+                                  const at::Tensor& out,
+                                  const std::optional<at::Tensor>& grad_logsumexp) {
+  const auto acc = query_.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  // (..., H, L), or (total_q, H) for a packed batch.
+  at::Tensor delta = grad_out.to(acc).mul(out.to(acc)).sum(-1);
+  if (packed_batch_) delta = delta.t();  // (H, total_q), as the lse
+  if (grad_logsumexp.has_value()) delta = delta.sub(grad_logsumexp->to(acc));
+  kept_.push_back(delta.contiguous());
+  bp.delta = describe_lse(kept_.back());
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> DenseGradients::reduced_to(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value) const {
   const at::Tensor dq = q.size(0) == 1 ? q.select(0, 0) : q.sum(0);
+  if (packed_batch) {
+    // (rows, H, cols) per query head, summed over each K/V head's group.
+    auto per_kv_head = [](const at::Tensor& g, const at::Tensor& input) {
+      const int64_t h = g.size(1), h_kv = input.size(1);
+      const at::Tensor summed = h == h_kv ? g : g.unflatten(1, {h_kv, h / h_kv}).sum(2);
+      return summed.to(input.scalar_type());
+    };
+    return {dq.to(query.scalar_type()), per_kv_head(k, key), per_kv_head(v, value)};
+  }
   return {reduce_to_input(dq, query), reduce_to_input(k, key), reduce_to_input(v, value)};
 }
 
@@ -246,9 +345,8 @@ WeightsParams AttentionCall::weights(const at::Tensor& logsumexp, const at::Tens
                                      const at::Tensor& weights) {
   WeightsParams wp;
   wp.fwd = inputs_;
-  const at::Tensor lse = logsumexp.contiguous();
-  kept_.push_back(lse);
-  wp.fwd.lse = const_cast<void*>(lse.const_data_ptr());
+  kept_.push_back(logsumexp.contiguous());
+  wp.fwd.lse = describe_lse(kept_.back());
   wp.fwd.dropout = replay_dropout(rng_state, dropout_p);
   wp.heads_per_item = average_heads ? outer_shape_.back() : 1;
   wp.weights = weights.mutable_data_ptr();

@@ -5,6 +5,7 @@
 // alike, so a call is described to every backend the same way.
 
 #include "common/attention_params.h"
+#include "ops/packed_batch.h"
 
 #include <fusedmha/attention.h>
 
@@ -32,9 +33,12 @@ at::Tensor last_dim_contiguous(const at::Tensor& t);
 
 // The gradients of a backward call per output head, in the accumulation
 // dtype (float; double for float64): q is (grad_q_splits, outer..., L, E),
-// zeroed; k and v are (outer..., S, E) and (outer..., S, Ev).
+// zeroed; k and v are (outer..., S, E) and (outer..., S, Ev). For a packed
+// batch: (grad_q_splits, total_q, H, E), (total_k, H, E), (total_k, H, Ev),
+// all zeroed.
 struct DenseGradients {
   at::Tensor q, k, v;
+  bool packed_batch = false;
 
   // Summed over the dQ slices, grouped heads and broadcast dims into the
   // shapes and dtypes of the inputs.
@@ -67,6 +71,11 @@ class AttentionCall {
                 bool is_causal, std::optional<double> scale, bool enable_gqa,
                 const AttentionVariants& variants, double dropout_p,
                 RowLayout layout = last_dim_contiguous, bool pack_query_heads = true);
+  // A packed batch (its inputs already checked, values included).
+  AttentionCall(const char* op, const at::Tensor& query, const at::Tensor& key,
+                const at::Tensor& value, const PackedBatch& batch, bool is_causal,
+                std::optional<double> scale, const AttentionVariants& variants,
+                double dropout_p, RowLayout layout = last_dim_contiguous);
 
   // The forward pass writing out and lse (as allocate_attention_outputs
   // made them). Dropout is left off: the backend draws its stream.
@@ -80,6 +89,10 @@ class AttentionCall {
                           double dropout_p,
                           const std::optional<at::Tensor>& grad_logsumexp = std::nullopt);
   DenseGradients allocate_gradients(BackwardParams& bp) const;
+  // bp.delta, rowsum(grad_out ∘ out) − grad_lse, computed with ATen ops
+  // (the CUDA kernels read it; the CPU kernels compute it per block).
+  void compute_delta(BackwardParams& bp, const at::Tensor& grad_out, const at::Tensor& out,
+                     const std::optional<at::Tensor>& grad_logsumexp);
 
   // The weights pass of the forward call that returned logsumexp and
   // rng_state, writing into weights (allocate_attention_weights's).
@@ -90,10 +103,22 @@ class AttentionCall {
   const AttentionParams& inputs() const { return inputs_; }
 
  private:
+  // The outer shape (outer_shape_) into inputs_.outer and num_outer.
+  void set_outer_shape(const char* op);
+  // The scale, softcap, band, ALiBi and sinks into inputs_.
+  void set_variants(bool is_causal, std::optional<double> scale, const AttentionVariants& v);
   // t's (rows, cols) matrices indexed by the kernels' outer shape.
   Matrix describe(const at::Tensor& t) const;
-  // describe(t) after the row layout (any copy kept alive).
-  Matrix describe_in_layout(const at::Tensor& t);
+  // A tensor of rows as the kernels read it: query-side rows (q, out,
+  // grad_out, dQ) with packed query heads, key-side rows (k, v, dK, dV)
+  // as they are; for a packed batch, t (rows, heads, cols), whose
+  // sequences' rows the params' Sequences find.
+  Matrix describe_rows(const at::Tensor& t, bool query_rows) const;
+  // describe_rows after the row layout (any copy kept alive).
+  Matrix describe_in_layout(const at::Tensor& t, bool query_rows);
+  // The log-sum-exp (..., H, L), or (H, total_q) for a packed batch, and
+  // tensors laid out like it (contiguous, so rows are adjacent).
+  Matrix describe_lse(const at::Tensor& lse);
   // A bool mask that only pads a suffix of the keys per batch index, as key
   // lengths (CPU): the kernels then skip the padded keys instead of reading
   // the mask. False (and nothing set) for any other mask.
@@ -111,6 +136,8 @@ class AttentionCall {
   RowLayout layout_;
   std::vector<int64_t> outer_shape_;  // batch dims..., heads (sizes 1 included)
   int64_t group_ = 1;                 // query heads read as rows of one item (1: none)
+  bool packed_batch_ = false;         // q/k/v in FlashAttention's varlen layout
+  int64_t key_rows_ = 0;              // total_k of a packed batch
   AttentionParams inputs_;
   std::vector<at::Tensor> kept_;
 };

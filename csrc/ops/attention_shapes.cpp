@@ -2,9 +2,12 @@
 
 #include <ATen/ExpandUtils.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/irange.h>
 
 #include <cmath>
+#include <limits>
 #include <sstream>
 
 namespace fusedmha::ops {
@@ -125,6 +128,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_attention_outputs(const 
     out = at::empty_symint(out_shape, query.options());
   }
   at::Tensor rng_state = at::empty({2}, query.options().dtype(at::kLong));
+  return {out, lse, rng_state};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_varlen_outputs(const at::Tensor& query,
+                                                                       const at::Tensor& value) {
+  const auto lse_dtype = query.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor out = at::zeros_symint({query.sym_size(0), query.sym_size(1), value.sym_size(2)},
+                                    query.options());
+  at::Tensor lse = at::full_symint({query.sym_size(1), query.sym_size(0)},
+                                   std::numeric_limits<double>::infinity(),
+                                   query.options().dtype(lse_dtype));
+  at::Tensor rng_state = at::zeros({2}, query.options().dtype(at::kLong));
   return {out, lse, rng_state};
 }
 

@@ -35,6 +35,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_attention_outputs(const 
                                                                           const at::Tensor& value,
                                                                           bool enable_gqa);
 
+// The outputs of a packed batch (ops/packed_batch.h): output (total_q, H,
+// Ev), zeroed (rows no sequence covers stay 0), log-sum-exp (H, total_q)
+// as FlashAttention returns it, +inf (no keys) until computed, and the
+// dropout rng state.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_varlen_outputs(const at::Tensor& query,
+                                                                       const at::Tensor& value);
+
 // The attention weights (..., H, L, S), or (..., L, S) averaged over heads,
 // contiguous, in the query's dtype.
 at::Tensor allocate_attention_weights(const at::Tensor& query,

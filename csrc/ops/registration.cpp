@@ -39,6 +39,25 @@ TORCH_LIBRARY(fusedmha, m) {
       "attention_weights(Tensor query, Tensor key, Tensor logsumexp, Tensor rng_state, "
       "Tensor? attn_mask=None, float dropout_p=0.0, bool is_causal=False, float? scale=None, "
       "bool enable_gqa=False, bool average_heads=False, " VARIANTS ") -> Tensor");
+  // A packed batch of sequences (FlashAttention's varlen layout, see
+  // ops/packed_batch.h): query (total_q, H, E), key/value (total_k, H_kv,
+  // E/Ev); sequence b is rows cu_seqlens_q[b].. and cu_seqlens_k[b].., and
+  // uses seqused_k[b] keys when given. Each sequence is attended to on its
+  // own (is_causal, windows and ALiBi measured within it); no work is done
+  // for padding. Returns the output (total_q, H, Ev), the log-sum-exp (H,
+  // total_q) and the rng state; dropout element (b·H + h, i, j) (i, j within
+  // the sequence) is drawn as attention_forward's.
+  m.def(
+      "varlen_attention_forward(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens_q, "
+      "Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float dropout_p=0.0, "
+      "bool is_causal=False, float? scale=None, " VARIANTS ", Tensor? seqused_k=None"
+      ") -> (Tensor output, Tensor logsumexp, Tensor rng_state)");
+  m.def(
+      "varlen_attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, "
+      "Tensor out, Tensor logsumexp, Tensor rng_state, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+      "int max_seqlen_q, int max_seqlen_k, float dropout_p, bool is_causal, float? scale, "
+      VARIANTS ", Tensor? seqused_k=None, Tensor? grad_logsumexp=None"
+      ") -> (Tensor grad_query, Tensor grad_key, Tensor grad_value)");
   // Private test hook, not API: the dropout keep-mask (outer, len_q,
   // len_kv) that a call with this rng_state and dropout_p applies (outer =
   // batch dims x heads), so tests can build the exact reference.

@@ -34,6 +34,7 @@ from fusedmha.flash_attn import (  # noqa: E402
     flash_attn_func,
     flash_attn_kvpacked_func,
     flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
     merge_attention,
 )
 from fusedmha.functional import scaled_dot_product_attention  # noqa: E402
@@ -57,6 +58,7 @@ __all__ = [
     "flash_attn_func",
     "flash_attn_qkvpacked_func",
     "flash_attn_kvpacked_func",
+    "flash_attn_varlen_func",
     "merge_attention",
     "build_info",
     "cpu_fma_peak_gflops",

@@ -121,6 +121,101 @@ def flash_attn_kvpacked_func(
                       alibi_slopes, return_attn_probs, sinks)
 
 
+def flash_attn_varlen_func(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table: Optional[Tensor] = None,
+    *,
+    sinks: Optional[Tensor] = None,
+    seqused_k: Optional[Tensor] = None,
+):
+    """flash_attn.flash_attn_varlen_func: a packed batch of sequences of their own lengths,
+    with no work spent on padding. q ``(total_q, H, E)``, k and v ``(total_k, H_kv, E)``;
+    sequence b is rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of q and
+    ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]`` of k and v (int32 ``(B + 1)``); ``max_seqlen_q/k``
+    are at least every sequence's length (on the CPU this is checked).
+
+    Each sequence is attended to on its own, as :func:`flash_attn_func` would attend to it
+    alone: ``causal``, ``window_size`` and ALiBi are aligned bottom-right within it.
+    ``alibi_slopes`` is ``(H)`` or ``(B, H)``; ``sinks`` ``(H)`` and ``seqused_k`` (int32
+    ``(B)``: sequence b uses only its first ``seqused_k[b]`` keys) are keyword-only additions.
+    ``block_table`` (paged K/V) is not supported here: a ValueError says so.
+
+    Returns the output ``(total_q, H, E)``; with ``return_attn_probs``, also the log-sum-exp
+    ``(H, total_q)`` (float32) and the probabilities ``(B, H, max_seqlen_q, max_seqlen_k)``,
+    zero outside each sequence and negative where dropout dropped them. Differentiable with
+    respect to q, k, v and sinks.
+    """
+    del deterministic
+    if block_table is not None:
+        raise ValueError(
+            "fusedmha.flash_attn_varlen_func: block_table (a paged KV cache) is not supported; "
+            "pass k and v as packed (total_k, H_kv, E) tensors"
+        )
+    window_left, window_right = (int(w) for w in window_size)
+    variants = dict(window_left=window_left, window_right=window_right, bottom_right=True,
+                    softcap=float(softcap), alibi_slopes=alibi_slopes, sinks=sinks)
+    out, lse, rng_state = torch.ops.fusedmha.varlen_attention_forward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), dropout_p,
+        causal, softmax_scale, **variants, seqused_k=seqused_k
+    )
+    if not return_attn_probs:
+        return out
+    with torch.no_grad():
+        probs = _varlen_probs(q, k, lse, rng_state, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                              max_seqlen_k, seqused_k, dropout_p, causal, softmax_scale, variants)
+    return out, lse, probs
+
+
+def _varlen_probs(q, k, lse, rng_state, cu_q, cu_k, max_q, max_k, seqused_k, dropout_p, causal,
+                  softmax_scale, variants):
+    """flash_attn's testing aid for a packed batch: each sequence's probabilities, padded
+    into ``(B, H, max_q, max_k)``, negative where dropout dropped them."""
+    batch = cu_q.numel() - 1
+    h, h_kv = q.shape[1], k.shape[1]
+    probs = q.new_zeros(batch, h, max_q, max_k)
+    weights = torch.ops.fusedmha.attention_weights
+    cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
+    used = seqused_k.tolist() if seqused_k is not None else None
+    for b in range(batch):
+        # Sequence b alone, with its dropout elements (b·H + h, i, j).
+        q0, q1, k0 = cu_q[b], cu_q[b + 1], cu_k[b]
+        k1 = k0 + used[b] if used is not None else cu_k[b + 1]
+        qb, kb = q[q0:q1].transpose(0, 1), k[k0:k1].transpose(0, 1)
+        one = dict(variants)
+        if one["alibi_slopes"] is not None and one["alibi_slopes"].dim() == 2:
+            one["alibi_slopes"] = one["alibi_slopes"][b]
+        lse_b = lse[:, q0:q1]
+        p = weights(qb, kb, lse_b, rng_state, None, 0.0, causal, softmax_scale, h != h_kv, False,
+                    **one)
+        if dropout_p > 0:
+            kept = _sequence_keep_mask(rng_state, batch, h, b, max_q, max_k, dropout_p)
+            kept = kept[:, : q1 - q0, : k1 - k0].to(p.device)
+            p = torch.where(kept | (p == 0), p, -p)
+        probs[b, :, : q1 - q0, : k1 - k0] = p
+    return probs
+
+
+def _sequence_keep_mask(rng_state, batch, heads, b, max_q, max_k, dropout_p):
+    """The dropout keep-mask of sequence b's heads in a packed batch: (H, max_q, max_k)."""
+    mask = torch.ops.fusedmha._dropout_keep_mask(rng_state, batch * heads, max_q, max_k,
+                                                 dropout_p)
+    return mask.view(batch, heads, max_q, max_k)[b]
+
+
 def merge_attention(outputs, lses) -> Tuple[Tensor, Tensor]:
     """Partial attention results over disjoint sets of keys, combined by their log-sum-exp
     into the result over all the keys: ``outputs`` ``(B, L, H, E)`` and ``lses``

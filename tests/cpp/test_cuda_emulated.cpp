@@ -111,6 +111,18 @@ struct Tensor4 {
   }
 };
 
+// A dense (B, H, rows, cols) array of the kernels' accumulators (lse,
+// delta, gradients) as a Matrix.
+template <typename A>
+Matrix dense(std::vector<A>& values, int H, int rows, int cols) {
+  Matrix m;
+  m.data = values.data();
+  m.outer_stride[0] = int64_t(H) * rows * cols;
+  m.outer_stride[1] = int64_t(rows) * cols;
+  m.row_stride = cols;
+  return m;
+}
+
 struct Problem {
   Case c;
   std::vector<double> q, k, v, dout;  // float64 copies of the rounded inputs
@@ -335,7 +347,7 @@ void run_case(const Case& c, Kernels kernels) {
   Tensor4<T> out(c.B, c.H, c.L, c.Ev);
   p.out = out.matrix(c.H);
   std::vector<A> lse(size_t(c.B) * c.H * c.L, A(-7));
-  p.lse = lse.data();
+  p.lse = dense(lse, c.H, c.L, 1);
 
   const int D = flash_head_dim_group(c.E, c.Ev);
   const unsigned rows_blocks = unsigned((p.num_outer * c.L + simple::kWarpsPerBlock - 1) / simple::kWarpsPerBlock);
@@ -377,7 +389,7 @@ void run_case(const Case& c, Kernels kernels) {
     wp.fwd = p;
     wp.fwd.dropout.state_out = nullptr;
     wp.fwd.dropout.state_in = c.dropout > 0 ? rng_state : nullptr;
-    wp.fwd.lse = lse.data();
+    wp.fwd.lse = dense(lse, c.H, c.L, 1);
     wp.heads_per_item = heads;
     std::vector<T> weights(size_t(O / heads) * c.L * c.S, from_double<T>(-9));
     wp.weights = weights.data();
@@ -406,13 +418,13 @@ void run_case(const Case& c, Kernels kernels) {
   bp.fwd.dropout.state_out = nullptr;
   bp.fwd.dropout.state_in = c.dropout > 0 ? rng_state : nullptr;
   bp.grad_out = dout.matrix(c.H);
-  bp.fwd.lse = lse.data();
-  bp.delta = delta.data();
+  bp.fwd.lse = dense(lse, c.H, c.L, 1);
+  bp.delta = dense(delta, c.H, c.L, 1);
   std::vector<A> grad_q(size_t(O) * c.L * c.E, A(0)), grad_k(size_t(O) * c.S * c.E, A(-3)),
       grad_v(size_t(O) * c.S * c.Ev, A(-3));
-  bp.grad_q = grad_q.data();
-  bp.grad_k = grad_k.data();
-  bp.grad_v = grad_v.data();
+  bp.grad_q = dense(grad_q, c.H, c.L, c.E);
+  bp.grad_k = dense(grad_k, c.H, c.S, c.E);
+  bp.grad_v = dense(grad_v, c.H, c.S, c.Ev);
   if (kernels == Kernels::TensorCores) {
     const unsigned blocks = unsigned((c.S + flash_bwd::kBlockKV - 1) / flash_bwd::kBlockKV * O);
     emulation::launch(blocks, flash_bwd::kThreads, flash_bwd::smem_bytes(D), [&] {

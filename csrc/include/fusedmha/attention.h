@@ -114,6 +114,54 @@ FUSEDMHA_API at::Tensor attention_weights(
     bool average_heads = false,
     const AttentionVariants& variants = {});
 
+// A packed batch of sequences of their own lengths, FlashAttention's
+// "varlen" layout (fusedmha::varlen_attention_forward): query (total_q, H,
+// E), key (total_k, H_kv, E), value (total_k, H_kv, Ev), H a multiple of
+// H_kv; sequence b is query rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] and
+// key rows cu_seqlens_k[b] .., of which it uses seqused_k[b] when given
+// (int32 tensors of B + 1 and B entries on the query's device);
+// max_seqlen_q/k are at least every sequence's length. Each sequence is
+// attended to on its own, exactly as scaled_dot_product_attention would
+// attend to it alone: is_causal and the variants' windows and ALiBi count
+// from its own diagonal (variants.bottom_right = true for FlashAttention's
+// alignment), no work is spent on padding. Returns the output (total_q, H,
+// Ev), the log-sum-exp (H, total_q) and the dropout rng state.
+// Differentiable with respect to query, key, value and the sinks.
+FUSEDMHA_API std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_forward(
+    const at::Tensor& query,
+    const at::Tensor& key,
+    const at::Tensor& value,
+    const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k,
+    int64_t max_seqlen_q,
+    int64_t max_seqlen_k,
+    double dropout_p = 0.0,
+    bool is_causal = false,
+    std::optional<double> scale = std::nullopt,
+    const AttentionVariants& variants = {},
+    const std::optional<at::Tensor>& seqused_k = std::nullopt);
+
+// The backward of varlen_attention_forward (fusedmha::varlen_attention_backward),
+// as attention_backward is attention_forward's.
+FUSEDMHA_API std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward(
+    const at::Tensor& grad_out,
+    const at::Tensor& query,
+    const at::Tensor& key,
+    const at::Tensor& value,
+    const at::Tensor& out,
+    const at::Tensor& logsumexp,
+    const at::Tensor& rng_state,
+    const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k,
+    int64_t max_seqlen_q,
+    int64_t max_seqlen_k,
+    double dropout_p = 0.0,
+    bool is_causal = false,
+    std::optional<double> scale = std::nullopt,
+    const AttentionVariants& variants = {},
+    const std::optional<at::Tensor>& seqused_k = std::nullopt,
+    const std::optional<at::Tensor>& grad_logsumexp = std::nullopt);
+
 // Partial attention results over disjoint sets of keys, combined into the
 // result over all of them by their log-sum-exp (fusedmha::merge_attention):
 // outputs (B, L, H, E) and lses (B, H, L), as flash_attn_func returns them

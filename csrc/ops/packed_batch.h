@@ -1,0 +1,24 @@
+#pragma once
+
+// A packed batch of sequences, FlashAttention's "varlen" layout: the
+// sequences' rows one after another in q (total_q, H, E), k (total_k, H_kv,
+// E) and v (total_k, H_kv, Ev), with H a multiple of H_kv. Sequence b's
+// rows start at cu_seqlens_q[b] and cu_seqlens_k[b] (int32, B + 1, on the
+// query's device) and end at the next entry; it uses only its first
+// seqused_k[b] keys when seqused_k (int32, B) is given. max_seqlen_q/k
+// bound the sequences' lengths.
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+
+namespace fusedmha::ops {
+
+struct PackedBatch {
+  at::Tensor cu_seqlens_q, cu_seqlens_k;
+  int64_t max_seqlen_q = 0, max_seqlen_k = 0;
+  std::optional<at::Tensor> seqused_k;
+};
+
+}  // namespace fusedmha::ops
