@@ -267,6 +267,13 @@ void check_varlen_backward_inputs(const char* op, const at::Tensor& grad_out,
 
 void check_packed_batch_values(const char* op, const PackedBatch& batch, int64_t total_q,
                                int64_t total_k) {
+  if (batch.seqused_k.has_value()) {
+    const at::Tensor used = batch.seqused_k->to(at::kLong);
+    const at::Tensor keys = at::diff(batch.cu_seqlens_k.to(at::kLong));
+    TORCH_CHECK(used.numel() == 0 || (used.min().item<int64_t>() >= 0 &&
+                                      used.le(keys).all().item<bool>()),
+                op, ": seqused_k must be >= 0 and at most each sequence's keys in cu_seqlens_k");
+  }
   using Lengths = std::tuple<const char*, const char*, const at::Tensor*, int64_t, int64_t>;
   for (const auto& [name, max_name, cu, total, max_len] :
        {Lengths{"cu_seqlens_q", "max_seqlen_q", &batch.cu_seqlens_q, total_q, batch.max_seqlen_q},
@@ -279,16 +286,13 @@ void check_packed_batch_values(const char* op, const PackedBatch& batch, int64_t
     const at::Tensor lengths = at::diff(values);
     TORCH_CHECK(lengths.numel() == 0 || lengths.min().item<int64_t>() >= 0, op, ": ", name,
                 " must be non-decreasing (cumulative sequence lengths)");
-    const int64_t longest = lengths.numel() ? lengths.max().item<int64_t>() : 0;
+    // (With seqused_k, a sequence's keys are those it uses.)
+    const at::Tensor used = cu == &batch.cu_seqlens_k && batch.seqused_k.has_value()
+                                ? batch.seqused_k->to(at::kLong)
+                                : lengths;
+    const int64_t longest = used.numel() ? used.max().item<int64_t>() : 0;
     TORCH_CHECK(longest <= max_len, op, ": ", max_name, " = ", max_len,
                 " is smaller than the longest sequence in ", name, " (", longest, ")");
-  }
-  if (batch.seqused_k.has_value()) {
-    const at::Tensor used = batch.seqused_k->to(at::kLong);
-    const at::Tensor keys = at::diff(batch.cu_seqlens_k.to(at::kLong));
-    TORCH_CHECK(used.numel() == 0 || (used.min().item<int64_t>() >= 0 &&
-                                      used.le(keys).all().item<bool>()),
-                op, ": seqused_k must be >= 0 and at most each sequence's keys in cu_seqlens_k");
   }
 }
 

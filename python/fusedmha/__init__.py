@@ -35,6 +35,7 @@ from fusedmha.flash_attn import (  # noqa: E402
     flash_attn_kvpacked_func,
     flash_attn_qkvpacked_func,
     flash_attn_varlen_func,
+    flash_attn_with_kvcache,
     merge_attention,
 )
 from fusedmha.functional import scaled_dot_product_attention  # noqa: E402
@@ -59,6 +60,7 @@ __all__ = [
     "flash_attn_qkvpacked_func",
     "flash_attn_kvpacked_func",
     "flash_attn_varlen_func",
+    "flash_attn_with_kvcache",
     "merge_attention",
     "build_info",
     "cpu_fma_peak_gflops",

@@ -216,6 +216,150 @@ def _sequence_keep_mask(rng_state, batch, heads, b, max_q, max_k, dropout_p):
     return mask.view(batch, heads, max_q, max_k)[b]
 
 
+def flash_attn_with_kvcache(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k: Optional[Tensor] = None,
+    v: Optional[Tensor] = None,
+    rotary_cos: Optional[Tensor] = None,
+    rotary_sin: Optional[Tensor] = None,
+    cache_seqlens=None,
+    cache_batch_idx: Optional[Tensor] = None,
+    cache_leftpad: Optional[Tensor] = None,
+    block_table: Optional[Tensor] = None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    alibi_slopes: Optional[Tensor] = None,
+    num_splits: int = 0,
+    return_softmax_lse: bool = False,
+    *,
+    sinks: Optional[Tensor] = None,
+):
+    """flash_attn.flash_attn_with_kvcache, for inference: append the new keys and values to a
+    KV cache in place, then attend over the cache.
+
+    q ``(B, L, H, E)``; ``k_cache``/``v_cache`` ``(B_cache, S_cache, H_kv, E)``; ``k``/``v``
+    ``(B, L_new, H_kv, E)``, when given, are written into the cache in place at rows
+    ``cache_seqlens[b] ..`` of cache batch ``cache_batch_idx[b]`` (default b). ``cache_seqlens``
+    (an int or int32 ``(B)``; default: the whole cache) are the cache's lengths before the
+    append. Sequence b attends to cache rows ``cache_leftpad[b]`` (default 0) up to its new
+    length; ``causal`` and ``window_size`` are aligned bottom-right (the new queries are the
+    last positions).
+
+    With ``rotary_cos``/``rotary_sin`` ``(S_rotary, R / 2)``, rotary embedding is applied to
+    the first R dims of q and of the new k before anything else, at their positions counted
+    from ``cache_leftpad``: the new keys at ``cache_seqlens[b] + i``, and q at the same
+    positions when causal or windowed, else all at ``cache_seqlens[b]``; pairs are adjacent
+    dims (``rotary_interleaved=True``, GPT-J) or the two halves (GPT-NeoX).
+
+    ``num_splits`` is accepted for compatibility (the CPU kernels split the keys themselves).
+    ``block_table`` (paged caches) is not supported yet: a ValueError says so. Returns the
+    output ``(B, L, H, E)``, and with ``return_softmax_lse`` also the log-sum-exp ``(B, H, L)``.
+    """
+    del num_splits
+    if block_table is not None:
+        raise ValueError("fusedmha.flash_attn_with_kvcache: block_table (a paged KV cache) is "
+                         "not supported yet; pass contiguous k_cache and v_cache")
+    if q.dim() != 4 or k_cache.dim() != 4 or v_cache.dim() != 4:
+        raise ValueError("fusedmha.flash_attn_with_kvcache: expected q (B, L, H, E) and "
+                         f"k_cache/v_cache (B_cache, S_cache, H_kv, E), got {tuple(q.shape)}, "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    B, L = q.shape[:2]
+    S_cache = k_cache.shape[1]
+    device = q.device
+    with torch.no_grad():
+        seqlens = _per_sequence(cache_seqlens, B, S_cache if k is None else None, device,
+                                "cache_seqlens")
+        leftpad = _per_sequence(cache_leftpad, B, 0, device, "cache_leftpad")
+        new = 0 if k is None else k.shape[1]
+        if (k is None) != (v is None):
+            raise ValueError("fusedmha.flash_attn_with_kvcache: pass k and v together")
+        if bool((seqlens + new > S_cache).any()) or bool((leftpad > seqlens).any()):
+            raise ValueError(
+                f"fusedmha.flash_attn_with_kvcache: cache_seqlens + {new} new rows must fit the "
+                f"cache's {S_cache} rows, and cache_leftpad be at most cache_seqlens")
+        if rotary_cos is not None:
+            start = (seqlens - leftpad).long()
+            steps = torch.arange(max(L, new), device=device)
+            moving = causal or tuple(window_size) != (-1, -1)
+            q_positions = start[:, None] + (steps[:L] if moving else 0 * steps[:L])
+            q = _rotary(q, rotary_cos, rotary_sin, q_positions, rotary_interleaved)
+            if k is not None:
+                k = _rotary(k, rotary_cos, rotary_sin, start[:, None] + steps[:new],
+                            rotary_interleaved)
+        batch_idx = (torch.arange(B, device=device) if cache_batch_idx is None
+                     else cache_batch_idx.to(device=device, dtype=torch.long))
+        if k is not None:
+            rows = seqlens.long()[:, None] + torch.arange(new, device=device)
+            k_cache[batch_idx[:, None], rows] = k.to(k_cache.dtype)
+            v_cache[batch_idx[:, None], rows] = v.to(v_cache.dtype)
+        k_seq, v_seq = k_cache[:B], v_cache[:B]  # (views)
+        if cache_batch_idx is not None:
+            k_seq, v_seq = k_cache.index_select(0, batch_idx), v_cache.index_select(0, batch_idx)
+        used = seqlens + new
+        variants = dict(window_left=int(window_size[0]), window_right=int(window_size[1]),
+                        bottom_right=True, softcap=float(softcap), alibi_slopes=alibi_slopes,
+                        sinks=sinks)
+        if q.is_cpu and not bool(leftpad.any()) and bool((used == used[0]).all()):
+            # One length for the whole batch: the dense kernels over a view of the cache
+            # (decoding then reads each K/V head once for all the query heads it serves).
+            n = int(used[0])
+            qh = q.transpose(1, 2)
+            kh, vh = k_seq[:, :n].transpose(1, 2), v_seq[:, :n].transpose(1, 2)
+            out, lse, _ = torch.ops.fusedmha.attention_forward(
+                qh, kh, vh, None, 0.0, causal, softmax_scale, qh.shape[1] != kh.shape[1],
+                **variants)
+            out = out.transpose(1, 2)
+        else:
+            # Sequences of their own lengths: the cache as a packed batch, each sequence's
+            # keys from its left padding, seqused_k of them.
+            S = k_seq.shape[1]
+            starts = torch.arange(B + 1, device=device, dtype=torch.int32) * S
+            starts[:B] += leftpad
+            out, lse, _ = torch.ops.fusedmha.varlen_attention_forward(
+                q.reshape(B * L, *q.shape[2:]), k_seq.reshape(B * S, *k_seq.shape[2:]),
+                v_seq.reshape(B * S, *v_seq.shape[2:]),
+                torch.arange(B + 1, device=device, dtype=torch.int32) * L, starts, L, S, 0.0,
+                causal, softmax_scale, **variants, seqused_k=(used - leftpad).to(torch.int32))
+            out = out.view(B, L, *out.shape[1:])
+            lse = lse.view(lse.shape[0], B, L).transpose(0, 1)
+    return (out, lse) if return_softmax_lse else out
+
+
+def _per_sequence(value, batch, default, device, name):
+    """An int, an int32 (B) tensor or None (default) as an int32 (B) tensor."""
+    if value is None:
+        if default is None:
+            raise ValueError(f"fusedmha.flash_attn_with_kvcache: {name} is needed to append k/v")
+        value = default
+    if isinstance(value, int):
+        return torch.full((batch,), value, dtype=torch.int32, device=device)
+    if value.shape != (batch,):
+        raise ValueError(f"fusedmha.flash_attn_with_kvcache: expected {name} of shape ({batch},), "
+                         f"got {tuple(value.shape)}")
+    return value.to(device=device, dtype=torch.int32)
+
+
+def _rotary(x, cos, sin, positions, interleaved):
+    """Rotary embedding of the first 2·cos.shape[1] dims of x (B, L, H, E) at positions (B, L)."""
+    half = cos.shape[1]
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    c = cos[positions].unsqueeze(2).to(acc)  # (B, L, 1, R/2)
+    s = sin[positions].unsqueeze(2).to(acc)
+    head = x[..., : 2 * half].to(acc)
+    if interleaved:
+        x1, x2 = head[..., 0::2], head[..., 1::2]
+        rotated = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+    else:
+        x1, x2 = head[..., :half], head[..., half:]
+        rotated = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
+    return torch.cat((rotated.to(x.dtype), x[..., 2 * half:]), dim=-1)
+
+
 def merge_attention(outputs, lses) -> Tuple[Tensor, Tensor]:
     """Partial attention results over disjoint sets of keys, combined by their log-sum-exp
     into the result over all the keys: ``outputs`` ``(B, L, H, E)`` and ``lses``

@@ -67,3 +67,10 @@ def test_peak_probe_is_a_plausible_number():
 
     peak = fusedmha.cpu_fma_peak_gflops(0.05)
     assert 1.0 < peak < 1e5
+
+
+def test_varlen_benchmark_smoke_run():
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_varlen_cpu.py"), "--quick"],
+                         capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    assert res.returncode == 0, res.stderr
+    assert "varlen ms" in res.stdout and "vs fused pad" in res.stdout, res.stdout

@@ -1,0 +1,157 @@
+"""fusedmha.flash_attn_with_kvcache keeps flash_attn 2's signature; appending to the cache in
+place then attending equals a full recompute over the sequences, with rotary embedding,
+cache_batch_idx, cache_leftpad and the variants."""
+
+import inspect
+
+import pytest
+import torch
+
+import fusedmha
+from reference import reference_variants
+
+H, H_KV, E = 8, 2, 16
+
+
+def test_signature_is_flash_attn_2s():
+    rendered, star = [], False
+    for p in inspect.signature(fusedmha.flash_attn_with_kvcache).parameters.values():
+        if p.kind is p.KEYWORD_ONLY and not star:
+            rendered.append("*")
+            star = True
+        rendered.append(p.name if p.default is p.empty else f"{p.name}={p.default!r}")
+    assert "(" + ", ".join(rendered) + ")" == (
+        "(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, "
+        "cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None, "
+        "softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, "
+        "rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False, *, "
+        "sinks=None)")
+
+
+def rotate(x, cos, sin, positions, interleaved):
+    """Rotary embedding written as complex multiplication (an independent formulation)."""
+    half = cos.shape[1]
+    head, rest = x[..., : 2 * half].double(), x[..., 2 * half:]
+    if interleaved:
+        pairs = head.unflatten(-1, (half, 2))
+    else:
+        pairs = torch.stack((head[..., :half], head[..., half:]), dim=-1)
+    z = torch.view_as_complex(pairs.contiguous())
+    turn = torch.polar(torch.ones_like(cos.double()), torch.atan2(sin.double(), cos.double()))
+    z = z * turn[positions].unsqueeze(2)
+    out = torch.view_as_real(z)
+    out = out.flatten(-2) if interleaved else torch.cat((out[..., 0], out[..., 1]), dim=-1)
+    return torch.cat((out.to(x.dtype), rest), dim=-1)
+
+
+def full_recompute(q, keys, values, kw):
+    """Sequence by sequence in float64: q (L, H, E) against keys/values (S, H_kv, E)."""
+    window = kw.get("window_size", (-1, -1))
+    out, lse, _ = reference_variants(
+        q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+        is_causal=kw.get("causal", False), scale=kw.get("softmax_scale"), enable_gqa=True,
+        window_left=window[0], window_right=window[1], bottom_right=True,
+        softcap=kw.get("softcap", 0.0), alibi_slopes=kw.get("alibi_slopes"),
+        sinks=kw.get("sinks"))
+    return out.transpose(0, 1), lse
+
+
+@pytest.mark.parametrize("kw", [
+    dict(causal=True),
+    dict(),
+    dict(causal=True, window_size=(5, 0), softcap=3.0),
+    dict(causal=True, rotary=True, rotary_interleaved=True),
+    dict(causal=True, rotary=True, rotary_interleaved=False, sinks=True),
+    dict(rotary=True, rotary_interleaved=False),
+    dict(causal=True, batch_idx=True, leftpad=True),
+    dict(causal=True, equal_lengths=True),
+])
+@pytest.mark.parametrize("new", [1, 3])
+def test_append_then_attend_equals_a_full_recompute(device, kw, new):
+    B, B_cache, S_cache, L = 3, 4, 40, new
+    dtype = torch.float64
+    kw = dict(kw)
+    cache_k = torch.randn(B_cache, S_cache, H_KV, E, dtype=dtype, device=device)
+    cache_v = torch.randn(B_cache, S_cache, H_KV, E, dtype=dtype, device=device)
+    before_k, before_v = cache_k.clone(), cache_v.clone()
+    lengths = [20] * B if kw.pop("equal_lengths", False) else [11, 0, 30]
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    leftpad = (torch.tensor([2, 0, 5], dtype=torch.int32, device=device)
+               if kw.pop("leftpad", False) else None)
+    batch_idx = (torch.tensor([3, 0, 2], dtype=torch.int32, device=device)
+                 if kw.pop("batch_idx", False) else None)
+    q = torch.randn(B, L, H, E, dtype=dtype, device=device)
+    k = torch.randn(B, new, H_KV, E, dtype=dtype, device=device)
+    v = torch.randn(B, new, H_KV, E, dtype=dtype, device=device)
+    call = dict(cache_seqlens=seqlens, cache_batch_idx=batch_idx, cache_leftpad=leftpad,
+                return_softmax_lse=True)
+    rotary = kw.pop("rotary", False)
+    if rotary:
+        R = 12
+        angles = torch.arange(64, dtype=dtype, device=device)[:, None] * torch.rand(
+            R // 2, dtype=dtype, device=device)
+        call.update(rotary_cos=angles.cos(), rotary_sin=angles.sin())
+    if kw.pop("sinks", False):
+        kw["sinks"] = torch.randn(H, dtype=dtype, device=device)
+    call.update(kw)
+    out, lse = fusedmha.flash_attn_with_kvcache(q, cache_k, cache_v, k, v, **call)
+    assert out.shape == q.shape and lse.shape == (B, H, L)
+
+    idx = batch_idx.tolist() if batch_idx is not None else list(range(B))
+    pads = leftpad.tolist() if leftpad is not None else [0] * B
+    for b in range(B):
+        n, pad, c = lengths[b], pads[b], idx[b]
+        qb, kb = q[b], k[b]
+        if rotary:
+            start = n - pad
+            moving = kw.get("causal", False) or kw.get("window_size", (-1, -1)) != (-1, -1)
+            q_pos = torch.arange(L, device=device) * int(moving) + start
+            qb = rotate(qb[None], call["rotary_cos"], call["rotary_sin"], q_pos[None],
+                        kw.get("rotary_interleaved", True))[0]
+            kb = rotate(kb[None], call["rotary_cos"], call["rotary_sin"],
+                        (torch.arange(new, device=device) + start)[None],
+                        kw.get("rotary_interleaved", True))[0]
+        # The cache now holds the new rows after the old ones, in place.
+        torch.testing.assert_close(cache_k[c, n:n + new], kb)
+        torch.testing.assert_close(cache_v[c, n:n + new], v[b])
+        torch.testing.assert_close(cache_k[c, :n], before_k[c, :n])
+        keys = torch.cat((before_k[c, pad:n], kb))
+        values = torch.cat((before_v[c, pad:n], v[b]))
+        want, want_lse = full_recompute(qb, keys, values, kw)
+        torch.testing.assert_close(out[b], want, atol=1e-10, rtol=1e-10)
+        finite = want_lse.isfinite()
+        torch.testing.assert_close(lse[b][finite], want_lse[finite], atol=1e-10, rtol=1e-10)
+    # Cache batches no sequence points to are untouched.
+    for c in set(range(B_cache)) - set(idx):
+        assert torch.equal(cache_k[c], before_k[c])
+
+
+def test_decode_steps_equal_attention_over_the_whole_sequence():
+    """Greedy-decoding shape: one query per step against a growing cache, float32."""
+    B, S_cache, steps = 1, 64, 6
+    q_all = torch.randn(B, steps, H, E)
+    k_all, v_all = torch.randn(B, steps, H_KV, E), torch.randn(B, steps, H_KV, E)
+    cache_k, cache_v = torch.zeros(B, S_cache, H_KV, E), torch.zeros(B, S_cache, H_KV, E)
+    outs = []
+    for t in range(steps):
+        outs.append(fusedmha.flash_attn_with_kvcache(
+            q_all[:, t:t + 1], cache_k, cache_v, k_all[:, t:t + 1], v_all[:, t:t + 1],
+            cache_seqlens=t, causal=True))
+    want = fusedmha.flash_attn_func(q_all, k_all, v_all, causal=True)
+    torch.testing.assert_close(torch.cat(outs, dim=1), want, atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("call, message", [
+    (dict(block_table=torch.zeros(1, 1, dtype=torch.int32)), "block_table"),
+    (dict(cache_seqlens=39), "must fit"),
+    (dict(k=None), "k and v together"),
+    (dict(cache_seqlens=None), "cache_seqlens is needed"),
+    (dict(cache_seqlens=torch.tensor([1, 2], dtype=torch.int32)), r"shape \(1,\)"),
+])
+def test_bad_inputs_get_clear_errors(call, message):
+    args = dict(q=torch.randn(1, 1, H, E), k_cache=torch.zeros(1, 40, H_KV, E),
+                v_cache=torch.zeros(1, 40, H_KV, E), k=torch.randn(1, 2, H_KV, E),
+                v=torch.randn(1, 2, H_KV, E), cache_seqlens=3)
+    args.update(call)
+    with pytest.raises(ValueError, match=message):
+        fusedmha.flash_attn_with_kvcache(**args)
