@@ -91,6 +91,11 @@ class ForwardKernel {
     const auto [kv_begin, kv_end] = tiles_.key_range(o, q0, rows);
     for (int64_t k0 = kv_begin; k0 < kv_end; k0 += split_.block_kv) {
       const int64_t cols = std::min(split_.block_kv, kv_end - k0);
+      if (k0 + cols < kv_end) {
+        const int64_t next = std::min(split_.block_kv, kv_end - k0 - cols);
+        tiles_.prefetch_rows(p_.k, o, k0 + cols, next, p_.dim_qk);
+        tiles_.prefetch_rows(p_.v, o, k0 + cols, next, p_.dim_v);
+      }
       int64_t ldk, ldv;
       const acc_t* k = tiles_.rows_of(p_.k, o, k0, cols, p_.dim_qk, false, ws_.k, &ldk);
       tiles_.scores(k, ldk, cols, ws_.qt, bq, ws_.st);

@@ -383,6 +383,19 @@ class TileReader {
     return dst;
   }
 
+  // Asks for rows r0..r0+rows of t (dim wide) to be brought into the caches, when they are
+  // not adjacent in memory: in a KV cache's (B, S, H_kv, E) layout each row of one head
+  // starts a new 4 KiB page for many heads, and the hardware prefetchers stop at pages.
+  void prefetch_rows(const Matrix& t, int64_t o, int64_t r0, int64_t rows, int64_t dim) const {
+    if (t.row_stride == dim) return;
+    const char* first = reinterpret_cast<const char*>(start(t, o) + r0 * t.row_stride);
+    const int64_t row_bytes = t.row_stride * static_cast<int64_t>(sizeof(scalar_t));
+    const int64_t bytes = dim * static_cast<int64_t>(sizeof(scalar_t));
+    for (int64_t i = 0; i < rows; ++i) {
+      for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(first + i * row_bytes + b);
+    }
+  }
+
   // Sᵀ = K·(scale·Q)ᵀ for keys k (ldk apart) and the packed query panels qt.
   // With softcap, the scores come out capped (the GEMM's epilogue).
   void scores(const acc_t* k, int64_t ldk, int64_t cols, const acc_t* qt, int64_t bq,
