@@ -2,13 +2,12 @@
 positional order, defaults, the (batch, seqlen, nheads, headdim) layout and return values;
 results against the float64 reference."""
 
-import inspect
-
 import pytest
 import torch
 
 import fusedmha
 from reference import kernel_keep_mask, reference_variants
+from signatures import signature_text
 
 # flash_attn 2.x's signatures (flash_attn/flash_attn_interface.py), with fusedmha's one
 # addition, the keyword-only `sinks`.
@@ -23,14 +22,7 @@ SIGNATURES = {
 
 @pytest.mark.parametrize("name", list(SIGNATURES))
 def test_signature_is_flash_attn_2s(name):
-    rendered, star = [], False
-    for p in inspect.signature(getattr(fusedmha, name)).parameters.values():
-        if p.kind is p.KEYWORD_ONLY and not star:
-            rendered.append("*")
-            star = True
-        rendered.append(p.name if p.default is p.empty else f"{p.name}={p.default!r}")
-    text = "(" + ", ".join(rendered) + ")"
-    assert text == SIGNATURES[name]
+    assert signature_text(getattr(fusedmha, name)) == SIGNATURES[name]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
