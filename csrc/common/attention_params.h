@@ -100,6 +100,20 @@ struct Sequences {
   FUSEDMHA_HOST_DEVICE bool on() const { return cu_q || cu_k || used_k; }
 };
 
+// A paged K/V cache (FlashAttention's block_table), when table is set: k and
+// v are pages of `size` rows, page_stride_k / page_stride_v elements apart,
+// and key j of sequence b (see Sequences) is row j % size of page
+// table[b * table_stride + j / size]. The kernels read keys in blocks that
+// never cross a page (their block sizes divide `size`, and blocks start at
+// multiples of them).
+struct Pages {
+  const int32_t* table = nullptr;
+  int64_t table_stride = 0;
+  int64_t size = 0;
+  int64_t page_stride_k = 0;
+  int64_t page_stride_v = 0;
+};
+
 // The forward pass; the backward and weights passes read it too (with
 // out and lse then being what the forward wrote).
 struct AttentionParams {
@@ -120,6 +134,7 @@ struct AttentionParams {
   const int64_t* key_lengths = nullptr;
   int64_t key_lengths_group = 1;
   Sequences seq;
+  Pages pages;
 
   // The score pipeline: s = scale·q·k → softcap → + ALiBi → masks and the
   // band → softmax (with the sink in the denominator) → dropout → ·V.
@@ -158,6 +173,35 @@ FUSEDMHA_HOST_DEVICE T* lse_row(const AttentionParams& p, const Matrix& m, int64
   return matrix_start<T>(p.outer, m, o);
 }
 
+// ---- key rows (paged or not) ---------------------------------------------
+
+// The element offset of key row j of outer index o in m (p.k or p.v, its
+// pages page_stride apart); rows j.. up to the end of j's page follow
+// m.row_stride apart.
+FUSEDMHA_HOST_DEVICE int64_t key_row_offset(const AttentionParams& p, const Matrix& m,
+                                            int64_t page_stride, int64_t o, int64_t j) {
+  const int64_t offset = outer_offset(p.outer, m, o);
+  if (!p.pages.table) return offset + j * m.row_stride;
+  const int64_t page = p.pages.table[(o / p.seq.heads) * p.pages.table_stride + j / p.pages.size];
+  return offset + page * page_stride + (j % p.pages.size) * m.row_stride;
+}
+FUSEDMHA_HOST_DEVICE int64_t k_row_offset(const AttentionParams& p, int64_t o, int64_t j) {
+  return key_row_offset(p, p.k, p.pages.page_stride_k, o, j);
+}
+FUSEDMHA_HOST_DEVICE int64_t v_row_offset(const AttentionParams& p, int64_t o, int64_t j) {
+  return key_row_offset(p, p.v, p.pages.page_stride_v, o, j);
+}
+
+// A key block length for p: block itself, or with pages the largest
+// divisor of the page size that is at most block (so blocks never cross a
+// page).
+FUSEDMHA_HOST_DEVICE int64_t paged_block(const AttentionParams& p, int64_t block) {
+  if (!p.pages.table) return block;
+  int64_t d = block < p.pages.size ? block : p.pages.size;
+  while (d > 1 && p.pages.size % d != 0) --d;
+  return d < 1 ? 1 : d;
+}
+
 // ---- packed sequences -----------------------------------------------------
 
 FUSEDMHA_HOST_DEVICE void skip_rows(Matrix& m, int64_t rows) { m.start += rows * m.row_stride; }
@@ -178,8 +222,10 @@ FUSEDMHA_HOST_DEVICE AttentionParams sequence_of(const AttentionParams& p, int64
   if (p.seq.cu_k) {
     const int64_t first = p.seq.cu_k[b];
     s.len_kv = p.seq.cu_k[b + 1] - first;
-    skip_rows(s.k, first);
-    skip_rows(s.v, first);
+    if (!p.pages.table) {  // (paged keys are found through the block table)
+      skip_rows(s.k, first);
+      skip_rows(s.v, first);
+    }
   }
   if (p.seq.used_k) s.len_kv = p.seq.used_k[b];
   if (p.bottom_right) s.diagonal_offset = s.len_kv - s.len_q;

@@ -60,7 +60,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward_cpu(
   ops::check_varlen_backward_inputs(ops::kVarlenBackwardOp, grad_out, query, key, value, out,
                                     logsumexp, rng_state, batch, dropout_p, scale, variants,
                                     grad_logsumexp);
-  ops::check_packed_batch_values(ops::kVarlenBackwardOp, batch, query.size(0), key.size(0));
+  ops::check_packed_batch_values(ops::kVarlenBackwardOp, batch, query.size(0), key);
   ops::AttentionCall call(ops::kVarlenBackwardOp, query, key, value, batch, is_causal, scale,
                           variants, dropout_p);
   return run_backward(call,

@@ -103,8 +103,10 @@ class BackwardKernel {
     const int64_t E = p_.dim_qk, Ev = p_.dim_v;
 
     int64_t ldk, ldv;
-    const acc_t* k = tiles_.rows_of(p_.k, o, k0, cols, E, /*panel_rows=*/true, ws_.k, &ldk);
-    const acc_t* v = tiles_.rows_of(p_.v, o, k0, cols, Ev, /*panel_rows=*/false, ws_.v, &ldv);
+    const acc_t* k = tiles_.key_rows_of(Tiles::KeySide::K, o, k0, cols, E, /*panel_rows=*/true,
+                                                 ws_.k, &ldk);
+    const acc_t* v = tiles_.key_rows_of(Tiles::KeySide::V, o, k0, cols, Ev, /*panel_rows=*/false,
+                                                 ws_.v, &ldv);
     std::fill(ws_.dk, ws_.dk + cols * ws_.dqk, acc_t(0));
     std::fill(ws_.dvv, ws_.dvv + cols * ws_.dv, acc_t(0));
 
@@ -235,8 +237,9 @@ WorkSplit configure(BackwardParams& bp, int64_t threads) {
   const AttentionParams& p = bp.fwd;
   WorkSplit split;
   split.block_q = std::min(kBlockQ, round_up(std::max<int64_t>(p.len_q, 1), nr));
-  split.block_kv =
-      band_block(p, work_block(p.len_kv, p.num_outer, threads, kMicroRows, kMaxBlockKV), kMicroRows);
+  split.block_kv = paged_block(
+      p, band_block(p, work_block(p.len_kv, p.num_outer, threads, kMicroRows, kMaxBlockKV),
+                    kMicroRows));
   // Enough sets of key blocks that every thread gets about two items; each
   // set beyond the first costs a (len_q × E) slice of dQ per outer index,
   // so with many outer indices there is one set (no extra memory).

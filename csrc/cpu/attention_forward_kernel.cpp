@@ -88,16 +88,20 @@ class ForwardKernel {
 
     // Only the keys the block's band can see (causal, sliding window): the
     // rest are skipped, not computed and masked.
-    const auto [kv_begin, kv_end] = tiles_.key_range(o, q0, rows);
+    auto [kv_begin, kv_end] = tiles_.key_range(o, q0, rows);
+    // (Blocks of a paged cache start at multiples of the block, so none
+    // crosses a page; the band masks the keys this adds.)
+    if (p_.pages.table) kv_begin = kv_begin / split_.block_kv * split_.block_kv;
     for (int64_t k0 = kv_begin; k0 < kv_end; k0 += split_.block_kv) {
       const int64_t cols = std::min(split_.block_kv, kv_end - k0);
       if (k0 + cols < kv_end) {
         const int64_t next = std::min(split_.block_kv, kv_end - k0 - cols);
-        tiles_.prefetch_rows(p_.k, o, k0 + cols, next, p_.dim_qk);
-        tiles_.prefetch_rows(p_.v, o, k0 + cols, next, p_.dim_v);
+        tiles_.prefetch_key_rows(Tiles::KeySide::K, o, k0 + cols, next, p_.dim_qk);
+        tiles_.prefetch_key_rows(Tiles::KeySide::V, o, k0 + cols, next, p_.dim_v);
       }
       int64_t ldk, ldv;
-      const acc_t* k = tiles_.rows_of(p_.k, o, k0, cols, p_.dim_qk, false, ws_.k, &ldk);
+      const acc_t* k = tiles_.key_rows_of(Tiles::KeySide::K, o, k0, cols, p_.dim_qk, false, ws_.k,
+                                                 &ldk);
       tiles_.scores(k, ldk, cols, ws_.qt, bq, ws_.st);
       tiles_.transform_scores(o, q0, rows, bq, k0, cols, ws_.st, ws_.mt);
       softmax_step(bq, cols);
@@ -108,7 +112,8 @@ class ForwardKernel {
         tiles_.dropout_factors(o, q0, rows, bq, k0, cols, ws_.dm);
         Tiles::scale_by(ws_.st, ws_.dm, cols, bq);
       }
-      const acc_t* v = tiles_.rows_of(p_.v, o, k0, cols, p_.dim_v, true, ws_.v, &ldv);
+      const acc_t* v = tiles_.key_rows_of(Tiles::KeySide::V, o, k0, cols, p_.dim_v, true, ws_.v,
+                                                 &ldv);
       gemm<acc_t, /*kRowsOfA=*/false, /*kAccumulate=*/true>(
           rows, ws_.dv, cols, ws_.st, bq, [&](int64_t e) { return v + e; }, ldv, ws_.o, ws_.dv);
     }
@@ -209,7 +214,7 @@ WorkSplit configure(const AttentionParams& p, int64_t threads) {
   split.block_q = band_block(p, std::min(work_block(p.len_q, p.num_outer, threads, nr, kMaxBlockQ),
                                           round_up(std::max<int64_t>(p.len_q, 1), nr)),
                              nr);
-  split.block_kv = std::min(kBlockKV, std::max<int64_t>(p.len_kv, 1));
+  split.block_kv = paged_block(p, std::min(kBlockKV, std::max<int64_t>(p.len_kv, 1)));
   split.items = p.num_outer * div_up(p.len_q, split.block_q);
   Arena<acc_t> counter(nullptr);
   ForwardWorkspace<acc_t> sizing(p, split, counter);

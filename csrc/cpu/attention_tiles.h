@@ -362,36 +362,35 @@ class TileReader {
     }
   }
 
-  // Rows r0..r0+rows of t as acc_t rows: in place (returning the input's
-  // row stride in *ld) when the type matches and, if panel_rows, the rows
-  // fill whole panels; otherwise widened into dst, zero-padded to a
-  // multiple of the panel width.
+  // Rows r0..r0+rows of t (query-side rows: q, grad_out) as acc_t rows: in
+  // place (returning the input's row stride in *ld) when the type matches
+  // and, if panel_rows, the rows fill whole panels; otherwise widened into
+  // dst, zero-padded to a multiple of the panel width.
   const acc_t* rows_of(const Matrix& t, int64_t o, int64_t r0, int64_t rows, int64_t dim,
                        bool panel_rows, acc_t* dst, int64_t* ld) const {
-    const scalar_t* first = start(t, o) + r0 * t.row_stride;
-    if (kSameType && (!panel_rows || dim % nr == 0)) {
-      *ld = t.row_stride;
-      return reinterpret_cast<const acc_t*>(first);
-    }
-    *ld = round_up(dim, nr);
-    for (int64_t i = 0; i < rows; ++i) {
-      const scalar_t* src = first + i * t.row_stride;
-      acc_t* d = dst + i * *ld;
-      for (int64_t e = 0; e < dim; ++e) d[e] = static_cast<acc_t>(src[e]);
-      std::fill(d + dim, d + *ld, acc_t(0));
-    }
-    return dst;
+    return rows_at(start(t, o) + r0 * t.row_stride, t.row_stride, rows, dim, panel_rows, dst, ld);
   }
 
-  // Asks for rows r0..r0+rows of t (dim wide) to be brought into the caches, when they are
-  // not adjacent in memory: in a KV cache's (B, S, H_kv, E) layout each row of one head
-  // starts a new 4 KiB page for many heads, and the hardware prefetchers stop at pages.
-  void prefetch_rows(const Matrix& t, int64_t o, int64_t r0, int64_t rows, int64_t dim) const {
-    if (t.row_stride == dim) return;
-    const char* first = reinterpret_cast<const char*>(start(t, o) + r0 * t.row_stride);
-    const int64_t row_bytes = t.row_stride * static_cast<int64_t>(sizeof(scalar_t));
+  // The same for keys k0..k0+cols of K or V (a block within one page when
+  // the cache is paged).
+  enum class KeySide { K, V };
+  const acc_t* key_rows_of(KeySide side, int64_t o, int64_t k0, int64_t cols, int64_t dim,
+                           bool panel_rows, acc_t* dst, int64_t* ld) const {
+    return rows_at(key_rows(side, o, k0), key_matrix(side).row_stride, cols, dim, panel_rows,
+                   dst, ld);
+  }
+
+  // Asks for keys k0..k0+cols of K or V (dim wide) to be brought into the
+  // caches, when their rows are not adjacent in memory: in a KV cache's (B,
+  // S, H_kv, E) layout each row of one head starts a new 4 KiB page for many
+  // heads, and the hardware prefetchers stop at pages.
+  void prefetch_key_rows(KeySide side, int64_t o, int64_t k0, int64_t cols, int64_t dim) const {
+    const int64_t row_stride = key_matrix(side).row_stride;
+    if (row_stride == dim) return;
+    const char* first = reinterpret_cast<const char*>(key_rows(side, o, k0));
+    const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(scalar_t));
     const int64_t bytes = dim * static_cast<int64_t>(sizeof(scalar_t));
-    for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t i = 0; i < cols; ++i) {
       for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(first + i * row_bytes + b);
     }
   }
@@ -519,6 +518,28 @@ class TileReader {
   }
 
  private:
+  const Matrix& key_matrix(KeySide side) const { return side == KeySide::K ? p_.k : p_.v; }
+  const scalar_t* key_rows(KeySide side, int64_t o, int64_t k0) const {
+    return static_cast<const scalar_t*>(key_matrix(side).data) +
+           (side == KeySide::K ? k_row_offset(p_, o, k0) : v_row_offset(p_, o, k0));
+  }
+
+  const acc_t* rows_at(const scalar_t* first, int64_t row_stride, int64_t rows, int64_t dim,
+                       bool panel_rows, acc_t* dst, int64_t* ld) const {
+    if (kSameType && (!panel_rows || dim % nr == 0)) {
+      *ld = row_stride;
+      return reinterpret_cast<const acc_t*>(first);
+    }
+    *ld = round_up(dim, nr);
+    for (int64_t i = 0; i < rows; ++i) {
+      const scalar_t* src = first + i * row_stride;
+      acc_t* d = dst + i * *ld;
+      for (int64_t e = 0; e < dim; ++e) d[e] = static_cast<acc_t>(src[e]);
+      std::fill(d + dim, d + *ld, acc_t(0));
+    }
+    return dst;
+  }
+
   // dcap = 1 − (s / c)² over n capped scores s = c·tanh(·).
   void softcap_derivative(int64_t n, const acc_t* st, acc_t* dcap) const {
     const Vec inv_c(acc_t(1) / static_cast<acc_t>(p_.softcap)), one(acc_t(1));

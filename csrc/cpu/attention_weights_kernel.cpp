@@ -101,7 +101,8 @@ class WeightsKernel {
     }
 
     int64_t ldk;
-    const acc_t* k = tiles_.rows_of(p_.k, o, k0, cols, p_.dim_qk, false, ws_.k, &ldk);
+    const acc_t* k = tiles_.key_rows_of(Tiles::KeySide::K, o, k0, cols, p_.dim_qk, false, ws_.k,
+                                               &ldk);
     tiles_.scores(k, ldk, cols, ws_.qt, bq, ws_.st);
     tiles_.transform_scores(o, q0, rows, bq, k0, cols, ws_.st, ws_.mt);
     if (p_.dropout.on()) tiles_.dropout_factors(o, q0, rows, bq, k0, cols, ws_.dm);

@@ -203,15 +203,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_forward_cuda(
     int64_t max_seqlen_k, double dropout_p, bool is_causal, std::optional<double> scale,
     int64_t window_left, int64_t window_right, bool bottom_right, double softcap,
     const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
-    const std::optional<at::Tensor>& seqused_k) {
+    const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& block_table) {
   const AttentionVariants variants{window_left, window_right, bottom_right, softcap,
                                    alibi_slopes, sinks};
-  const ops::PackedBatch batch{cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k};
+  const ops::PackedBatch batch{cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
+                               block_table};
   ops::check_varlen_inputs(ops::kVarlenForwardOp, query, key, value, batch, dropout_p, scale,
                            variants);
   const c10::cuda::CUDAGuard guard(query.device());
   auto [out, lse, rng_state] = ops::allocate_varlen_outputs(query, value);
-  const bool tensor_cores = use_tensor_cores(query, value, /*backward=*/false);
+  // (Paged caches take the simple kernels, which find every key row through
+  // the block table; the tensor-core tiles load rows from one base.)
+  const bool tensor_cores =
+      use_tensor_cores(query, value, /*backward=*/false) && !block_table.has_value();
   ops::AttentionCall call(ops::kVarlenForwardOp, query, key, value, batch, is_causal, scale,
                           variants, dropout_p, row_layout(tensor_cores));
   AttentionParams p = call.forward(out, lse);

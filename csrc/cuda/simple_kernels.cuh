@@ -84,8 +84,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) forward_kernel(const Atte
   if (i >= p.len_q) return;
 
   const T* q = static_cast<const T*>(p.q.data) + outer_offset(p.outer, p.q, o) + i * p.q.row_stride;
-  const T* k = static_cast<const T*>(p.k.data) + outer_offset(p.outer, p.k, o);
-  const T* v = static_cast<const T*>(p.v.data) + outer_offset(p.outer, p.v, o);
+  const T* k = static_cast<const T*>(p.k.data);  // key row j at k_row_offset(p, o, j)
+  const T* v = static_cast<const T*>(p.v.data);
   const int64_t mask_base = p.mask_kind == MaskKind::None ? 0 : outer_offset(p.outer, p.mask, o);
   const A scale = static_cast<A>(p.scale);
   for (int e = lane; e < dk; e += 32) q_s[e] = (to_acc<A>(q[e])) * scale;
@@ -103,7 +103,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) forward_kernel(const Atte
     const int64_t j = j0 + lane;
     A x = -INFINITY;
     if (j < kv_end) {
-      const T* k_row = k + j * p.k.row_stride;
+      const T* k_row = k + k_row_offset(p, o, j);
       A s = 0;
       for (int e = 0; e < dk; ++e) s += q_s[e] * to_acc<A>(k_row[e]);
       x = transformed_score(p, s, slope, i, j);
@@ -121,7 +121,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) forward_kernel(const Atte
     for (int t = 0; t < n; ++t) {
       const A pt = __shfl_sync(0xffffffffu, pr, t);
       if (pt == A(0)) continue;  // (warp-uniform)
-      const T* v_row = v + (j0 + t) * p.v.row_stride;
+      const T* v_row = v + v_row_offset(p, o, j0 + t);
       for (int e = lane; e < dv; e += 32) o_s[e] += pt * to_acc<A>(v_row[e]);
     }
   }
@@ -190,8 +190,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) backward_dq_kernel(const 
   const T* q = static_cast<const T*>(p.q.data) + outer_offset(p.outer, p.q, o) + i * p.q.row_stride;
   const T* dout = static_cast<const T*>(bp.grad_out.data) + outer_offset(p.outer, bp.grad_out, o) +
                   i * bp.grad_out.row_stride;
-  const T* k = static_cast<const T*>(p.k.data) + outer_offset(p.outer, p.k, o);
-  const T* v = static_cast<const T*>(p.v.data) + outer_offset(p.outer, p.v, o);
+  const T* k = static_cast<const T*>(p.k.data);  // key row j at k_row_offset(p, o, j)
+  const T* v = static_cast<const T*>(p.v.data);
   const int64_t mask_base = p.mask_kind == MaskKind::None ? 0 : outer_offset(p.outer, p.mask, o);
   const A scale = static_cast<A>(p.scale);
   for (int e = lane; e < dk; e += 32) {
@@ -204,12 +204,12 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) backward_dq_kernel(const 
 
   const A slope = static_cast<A>(alibi_slope(p, o));
   for (int64_t j = band_key_begin(p, i); j < band_key_end(p, i + 1); ++j) {
-    const T* k_row = k + j * p.k.row_stride;
+    const T* k_row = k + k_row_offset(p, o, j);
     const A score = dot_row<T, A>(q_s, k_row, 1, dk, lane);
     const BackwardElement<A> el =
         backward_element(p, stream, mask_base, slope, score, lse, o, i, j);
     if (el.p == A(0)) continue;  // (warp-uniform: every lane has the same sums)
-    const A dp = dot_row<T, A>(do_s, v + j * p.v.row_stride, 1, dv, lane);
+    const A dp = dot_row<T, A>(do_s, v + v_row_offset(p, o, j), 1, dv, lane);
     const A ds = el.p * (dp * el.z - delta) * el.dcap * scale;
     for (int e = lane; e < dk; e += 32) dq_s[e] += ds * to_acc<A>(k_row[e]);
   }
@@ -235,8 +235,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) backward_dkdv_kernel(cons
   const DropoutStream stream = p.dropout.p > 0.0 ? dropout_stream(p) : DropoutStream{};
   const T* q = static_cast<const T*>(p.q.data) + outer_offset(p.outer, p.q, o);
   const T* dout = static_cast<const T*>(bp.grad_out.data) + outer_offset(p.outer, bp.grad_out, o);
-  const T* k = static_cast<const T*>(p.k.data) + outer_offset(p.outer, p.k, o) + j * p.k.row_stride;
-  const T* v = static_cast<const T*>(p.v.data) + outer_offset(p.outer, p.v, o) + j * p.v.row_stride;
+  const T* k = static_cast<const T*>(p.k.data) + k_row_offset(p, o, j);
+  const T* v = static_cast<const T*>(p.v.data) + v_row_offset(p, o, j);
   const int64_t mask_base = p.mask_kind == MaskKind::None ? 0 : outer_offset(p.outer, p.mask, o);
   const A scale = static_cast<A>(p.scale);
   for (int e = lane; e < dk; e += 32) {
@@ -300,7 +300,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) weights_kernel(const Weig
     A w = 0;
     for (int64_t h = 0; h < heads; ++h) {
       const int64_t o = item * heads + h;
-      const T* k_row = static_cast<const T*>(p.k.data) + outer_offset(p.outer, p.k, o) + j * p.k.row_stride;
+      const T* k_row = static_cast<const T*>(p.k.data) + k_row_offset(p, o, j);
       A x = 0;
       for (int e = 0; e < dk; ++e) x += q_s[h * dk + e] * (to_acc<A>(k_row[e]));
       x = transformed_score(p, x, A(alibi_slope(p, o)), i, j);

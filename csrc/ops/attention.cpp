@@ -34,7 +34,7 @@ using SdpaSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at:
 using VarlenForwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, int64_t, int64_t, double, bool, std::optional<double>,
-    FUSEDMHA_VARIANT_TYPES, const OptTensor&);
+    FUSEDMHA_VARIANT_TYPES, const OptTensor&, const OptTensor&);
 using VarlenBackwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -120,10 +120,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_forward(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
     int64_t max_seqlen_k, double dropout_p, bool is_causal, std::optional<double> scale,
-    const AttentionVariants& variants, const OptTensor& seqused_k) {
+    const AttentionVariants& variants, const OptTensor& seqused_k, const OptTensor& block_table) {
   static const auto op = find_op<VarlenForwardSignature>("fusedmha::varlen_attention_forward");
   return op.call(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                 dropout_p, is_causal, scale, FUSEDMHA_VARIANT_ARGS(variants), seqused_k);
+                 dropout_p, is_causal, scale, FUSEDMHA_VARIANT_ARGS(variants), seqused_k,
+                 block_table);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward(

@@ -261,7 +261,8 @@ class VarlenAttentionFunction : public torch::autograd::Function<VarlenAttention
                                int64_t window_right, bool bottom_right, double softcap,
                                const std::optional<at::Tensor>& alibi_slopes,
                                const std::optional<at::Tensor>& sinks,
-                               const std::optional<at::Tensor>& seqused_k) {
+                               const std::optional<at::Tensor>& seqused_k,
+                               const std::optional<at::Tensor>& block_table) {
     at::AutoDispatchBelowADInplaceOrView guard;
     const AttentionCall call{std::nullopt, dropout_p, is_causal, scale, /*enable_gqa=*/true,
                              {window_left, window_right, bottom_right, softcap, alibi_slopes,
@@ -269,7 +270,8 @@ class VarlenAttentionFunction : public torch::autograd::Function<VarlenAttention
     const PackedBatch batch{cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k};
     auto [out, lse, rng_state] = fusedmha::varlen_attention_forward(
         query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-        is_causal, scale, call.variants, seqused_k);
+        is_causal, scale, call.variants, seqused_k, block_table);
+    ctx->saved_data["paged"] = block_table.has_value();
     ctx->mark_non_differentiable({rng_state});
     ctx->save_for_backward({query, key, value, out, lse, rng_state});
     call.save(ctx);
@@ -278,6 +280,9 @@ class VarlenAttentionFunction : public torch::autograd::Function<VarlenAttention
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    TORCH_CHECK(!ctx->saved_data["paged"].toBool(), kVarlenForwardOp,
+                ": a paged K/V cache (block_table) is forward only; its backward is not "
+                "supported");
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor& out = saved[3];
     const at::Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(out);
@@ -289,7 +294,7 @@ class VarlenAttentionFunction : public torch::autograd::Function<VarlenAttention
         grad_out, saved[0], saved[1], saved[2], out, saved[4], saved[5], batch.cu_seqlens_q,
         batch.cu_seqlens_k, batch.max_seqlen_q, batch.max_seqlen_k, call.dropout_p,
         call.is_causal, call.scale, call.variants, batch.seqused_k, grad_lse);
-    variable_list result(17);
+    variable_list result(18);
     result[0] = dq;
     result[1] = dk;
     result[2] = dv;
@@ -392,12 +397,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_forward_autograd
     int64_t max_seqlen_k, double dropout_p, bool is_causal, std::optional<double> scale,
     int64_t window_left, int64_t window_right, bool bottom_right, double softcap,
     const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
-    const std::optional<at::Tensor>& seqused_k) {
+    const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& block_table) {
   check_slopes_need_no_grad(kVarlenForwardOp, alibi_slopes);
   auto outputs = VarlenAttentionFunction::apply(
       query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
       is_causal, scale, window_left, window_right, bottom_right, softcap, alibi_slopes, sinks,
-      seqused_k);
+      seqused_k, block_table);
   return {outputs[0], outputs[1], outputs[2]};
 }
 

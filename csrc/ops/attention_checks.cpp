@@ -197,6 +197,29 @@ void check_lengths_tensor(const char* op, const char* name, const at::Tensor& t,
 void check_varlen_inputs(const char* op, const at::Tensor& query, const at::Tensor& key,
                          const at::Tensor& value, const PackedBatch& batch, double dropout_p,
                          std::optional<double> scale, const AttentionVariants& variants) {
+  if (batch.block_table.has_value()) {
+    // A paged cache: checked as the packed rows of its pages, plus the table.
+    TORCH_CHECK(key.dim() == 4 && value.dim() == 4 && key.sym_size(0) == value.sym_size(0) &&
+                    key.sym_size(1) == value.sym_size(1),
+                op, ": with block_table, expected key and value as paged caches (num_pages, "
+                "page_size, H_kv, E), got key ", shape_str(key.sym_sizes()), " and value ",
+                shape_str(value.sym_sizes()));
+    TORCH_CHECK(key.sym_size(1) > 0, op, ": expected pages of at least one row, got key ",
+                shape_str(key.sym_sizes()));
+    const at::Tensor& table = *batch.block_table;
+    TORCH_CHECK(table.scalar_type() == at::kInt && table.dim() == 2 &&
+                    table.sym_size(0) == batch.cu_seqlens_q.sym_size(0) - 1,
+                op, ": expected block_table of dtype int32 and shape (B, pages per sequence), "
+                "B = ", batch.cu_seqlens_q.sym_size(0) - 1, ", got ", table.scalar_type(),
+                " of shape ", shape_str(table.sym_sizes()));
+    TORCH_CHECK(table.device() == query.device(), op,
+                ": expected block_table on the query's device (", query.device(), "), got ",
+                table.device());
+    PackedBatch rows = batch;
+    rows.block_table.reset();
+    return check_varlen_inputs(op, query, key.flatten(0, 1), value.flatten(0, 1), rows,
+                               dropout_p, scale, variants);
+  }
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3, op,
               ": expected a packed batch: query (total_q, H, E), key (total_k, H_kv, E) and "
               "value (total_k, H_kv, Ev), got query ", shape_str(query.sym_sizes()), ", key ",
@@ -253,7 +276,7 @@ void check_varlen_backward_inputs(const char* op, const at::Tensor& grad_out,
               logsumexp.scalar_type(), " of shape ", shape_str(logsumexp.sym_sizes()));
   check_grad_logsumexp(op, grad_logsumexp, logsumexp);
   const std::vector<c10::SymInt> out_shape{query.sym_size(0), query.sym_size(1),
-                                           value.sym_size(2)};
+                                           value.sym_size(-1)};
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"grad_out", &grad_out},
                                 {"out", &out}}) {
     TORCH_CHECK(t->sym_sizes() == c10::SymIntArrayRef(out_shape), op, ": expected ", name,
@@ -266,12 +289,22 @@ void check_varlen_backward_inputs(const char* op, const at::Tensor& grad_out,
 }
 
 void check_packed_batch_values(const char* op, const PackedBatch& batch, int64_t total_q,
-                               int64_t total_k) {
+                               const at::Tensor& key) {
+  const bool paged = batch.block_table.has_value();
+  // Rows of k and v a sequence may reach: all of them, or with pages, as
+  // many as its table row holds.
+  const int64_t total_k = paged ? batch.block_table->size(1) * key.size(1) : key.size(0);
+  if (paged) {
+    const at::Tensor& table = *batch.block_table;
+    TORCH_CHECK(table.numel() == 0 || (table.min().item<int64_t>() >= 0 &&
+                                       table.max().item<int64_t>() < key.size(0)),
+                op, ": block_table entries must be page indices in [0, ", key.size(0), ")");
+  }
   if (batch.seqused_k.has_value()) {
     const at::Tensor used = batch.seqused_k->to(at::kLong);
     const at::Tensor keys = at::diff(batch.cu_seqlens_k.to(at::kLong));
     TORCH_CHECK(used.numel() == 0 || (used.min().item<int64_t>() >= 0 &&
-                                      used.le(keys).all().item<bool>()),
+                                      (paged || used.le(keys).all().item<bool>())),
                 op, ": seqused_k must be >= 0 and at most each sequence's keys in cu_seqlens_k");
   }
   using Lengths = std::tuple<const char*, const char*, const at::Tensor*, int64_t, int64_t>;
@@ -281,8 +314,10 @@ void check_packed_batch_values(const char* op, const PackedBatch& batch, int64_t
                 batch.max_seqlen_k}}) {
     const at::Tensor values = cu->to(at::kLong);
     const int64_t first = values[0].item<int64_t>(), last = values[-1].item<int64_t>();
-    TORCH_CHECK(first >= 0 && last <= total, op, ": ", name, " must lie within the ", total,
-                " rows of the packed tensors, got ", first, " .. ", last);
+    // (With pages, cu_seqlens_k only gives lengths; each is bounded below.)
+    TORCH_CHECK((paged && cu == &batch.cu_seqlens_k) || (first >= 0 && last <= total), op, ": ",
+                name, " must lie within the ", total, " rows of the packed tensors, got ", first,
+                " .. ", last);
     const at::Tensor lengths = at::diff(values);
     TORCH_CHECK(lengths.numel() == 0 || lengths.min().item<int64_t>() >= 0, op, ": ", name,
                 " must be non-decreasing (cumulative sequence lengths)");
@@ -291,6 +326,9 @@ void check_packed_batch_values(const char* op, const PackedBatch& batch, int64_t
                                 ? batch.seqused_k->to(at::kLong)
                                 : lengths;
     const int64_t longest = used.numel() ? used.max().item<int64_t>() : 0;
+    TORCH_CHECK(!paged || cu != &batch.cu_seqlens_k || longest <= total, op,
+                ": a sequence of ", longest, " keys does not fit the ", total,
+                " rows its block_table row holds");
     TORCH_CHECK(longest <= max_len, op, ": ", max_name, " = ", max_len,
                 " is smaller than the longest sequence in ", name, " (", longest, ")");
   }

@@ -97,8 +97,9 @@ void check_varlen_backward_inputs(const char* op, const at::Tensor& grad_out,
 // (the CPU; on a GPU it would wait for the device): cumulative lengths
 // non-decreasing from >= 0 up to the rows there are, seqused_k within each
 // sequence's keys, and max_seqlen_q/k at least every length (a smaller
-// bound would leave rows uncomputed).
+// bound would leave rows uncomputed); with block_table, page indices in
+// range and every sequence within the pages its table row holds.
 void check_packed_batch_values(const char* op, const PackedBatch& batch, int64_t total_q,
-                               int64_t total_k);
+                               const at::Tensor& key);
 
 }  // namespace fusedmha::ops

@@ -59,9 +59,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_forward_meta(
     const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
     int64_t max_seqlen_k, double dropout_p, bool is_causal, std::optional<double> scale,
     int64_t window_left, int64_t window_right, bool bottom_right, double softcap,
-    const OptTensor& alibi_slopes, const OptTensor& sinks, const OptTensor& seqused_k) {
+    const OptTensor& alibi_slopes, const OptTensor& sinks, const OptTensor& seqused_k,
+    const OptTensor& block_table) {
   check_varlen_inputs(kVarlenForwardOp, query, key, value,
-                      {cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k},
+                      {cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
+                       block_table},
                       dropout_p, scale,
                       {window_left, window_right, bottom_right, softcap, alibi_slopes, sinks});
   return allocate_varlen_outputs(query, value);

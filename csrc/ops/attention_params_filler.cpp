@@ -97,12 +97,31 @@ AttentionCall::AttentionCall(const char* op, const at::Tensor& query, const at::
   p.dtype = dtype_of(query.scalar_type());
   // Items cover the longest sequence (no longer than all the rows).
   p.len_q = std::min(batch.max_seqlen_q, query.size(0));
-  p.len_kv = std::min(batch.max_seqlen_k, key.size(0));
   p.dim_qk = query.size(-1);
   p.dim_v = value.size(-1);
   p.q = describe_in_layout(query, true);
-  p.k = describe_in_layout(key, false);
-  p.v = describe_in_layout(value, false);
+  if (batch.block_table.has_value()) {
+    // (num_pages, page_size, H_kv, E): the rows of one page, pages apart.
+    const at::Tensor& table = *batch.block_table;
+    p.len_kv = std::min(batch.max_seqlen_k, table.size(1) * key.size(1));
+    p.pages.table = table.const_data_ptr<int32_t>();
+    p.pages.table_stride = table.stride(0);
+    p.pages.size = key.size(1);
+    const at::Tensor k = layout_(key), v = layout_(value);
+    kept_.insert(kept_.end(), {k, v});
+    if (k.size(0) > 0) {  // (no pages: every sequence is empty, nothing is read)
+      p.k = describe_rows(k.select(0, 0), false);
+      p.v = describe_rows(v.select(0, 0), false);
+    }
+    p.k.data = const_cast<void*>(k.const_data_ptr());
+    p.v.data = const_cast<void*>(v.const_data_ptr());
+    p.pages.page_stride_k = k.stride(0);
+    p.pages.page_stride_v = v.stride(0);
+  } else {
+    p.len_kv = std::min(batch.max_seqlen_k, key.size(0));
+    p.k = describe_in_layout(key, false);
+    p.v = describe_in_layout(value, false);
+  }
   p.seq.cu_q = batch.cu_seqlens_q.const_data_ptr<int32_t>();
   p.seq.cu_k = batch.cu_seqlens_k.const_data_ptr<int32_t>();
   if (batch.seqused_k.has_value()) p.seq.used_k = batch.seqused_k->const_data_ptr<int32_t>();

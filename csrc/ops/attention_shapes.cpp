@@ -134,7 +134,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_attention_outputs(const 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_varlen_outputs(const at::Tensor& query,
                                                                        const at::Tensor& value) {
   const auto lse_dtype = query.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  at::Tensor out = at::zeros_symint({query.sym_size(0), query.sym_size(1), value.sym_size(2)},
+  at::Tensor out = at::zeros_symint({query.sym_size(0), query.sym_size(1), value.sym_size(-1)},
                                     query.options());
   at::Tensor lse = at::full_symint({query.sym_size(1), query.sym_size(0)},
                                    std::numeric_limits<double>::infinity(),

@@ -6,7 +6,11 @@
 // rows start at cu_seqlens_q[b] and cu_seqlens_k[b] (int32, B + 1, on the
 // query's device) and end at the next entry; it uses only its first
 // seqused_k[b] keys when seqused_k (int32, B) is given. max_seqlen_q/k
-// bound the sequences' lengths.
+// bound the sequences' lengths. With block_table (int32, (B, pages per
+// sequence)), k and v are a paged cache instead, (num_pages, page_size,
+// H_kv, E/Ev): key j of sequence b is row j % page_size of page
+// block_table[b, j / page_size], and cu_seqlens_k (or seqused_k) only gives
+// the sequences' key counts. Paged calls are forward only.
 
 #include <ATen/core/Tensor.h>
 
@@ -19,6 +23,7 @@ struct PackedBatch {
   at::Tensor cu_seqlens_q, cu_seqlens_k;
   int64_t max_seqlen_q = 0, max_seqlen_k = 0;
   std::optional<at::Tensor> seqused_k;
+  std::optional<at::Tensor> block_table;
 };
 
 }  // namespace fusedmha::ops

@@ -46,12 +46,13 @@ TORCH_LIBRARY(fusedmha, m) {
   // own (is_causal, windows and ALiBi measured within it); no work is done
   // for padding. Returns the output (total_q, H, Ev), the log-sum-exp (H,
   // total_q) and the rng state; dropout element (b·H + h, i, j) (i, j within
-  // the sequence) is drawn as attention_forward's.
+  // the sequence) is drawn as attention_forward's. With block_table, k and v
+  // are a paged cache (forward only; see ops/packed_batch.h).
   m.def(
       "varlen_attention_forward(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens_q, "
       "Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float dropout_p=0.0, "
-      "bool is_causal=False, float? scale=None, " VARIANTS ", Tensor? seqused_k=None"
-      ") -> (Tensor output, Tensor logsumexp, Tensor rng_state)");
+      "bool is_causal=False, float? scale=None, " VARIANTS ", Tensor? seqused_k=None, "
+      "Tensor? block_table=None) -> (Tensor output, Tensor logsumexp, Tensor rng_state)");
   m.def(
       "varlen_attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, "
       "Tensor out, Tensor logsumexp, Tensor rng_state, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "

@@ -152,7 +152,10 @@ def flash_attn_varlen_func(
     alone: ``causal``, ``window_size`` and ALiBi are aligned bottom-right within it.
     ``alibi_slopes`` is ``(H)`` or ``(B, H)``; ``sinks`` ``(H)`` and ``seqused_k`` (int32
     ``(B)``: sequence b uses only its first ``seqused_k[b]`` keys) are keyword-only additions.
-    ``block_table`` (paged K/V) is not supported here: a ValueError says so.
+    With ``block_table`` (int32 ``(B, pages per sequence)``), k and v are a paged cache
+    ``(num_pages, page_size, H_kv, E)``: key j of sequence b is row ``j % page_size`` of page
+    ``block_table[b, j // page_size]``, and ``cu_seqlens_k`` only gives the key counts (forward
+    only, like FlashAttention's).
 
     Returns the output ``(total_q, H, E)``; with ``return_attn_probs``, also the log-sum-exp
     ``(H, total_q)`` (float32) and the probabilities ``(B, H, max_seqlen_q, max_seqlen_k)``,
@@ -160,17 +163,15 @@ def flash_attn_varlen_func(
     respect to q, k, v and sinks.
     """
     del deterministic
-    if block_table is not None:
-        raise ValueError(
-            "fusedmha.flash_attn_varlen_func: block_table (a paged KV cache) is not supported; "
-            "pass k and v as packed (total_k, H_kv, E) tensors"
-        )
+    if block_table is not None and return_attn_probs:
+        raise ValueError("fusedmha.flash_attn_varlen_func: return_attn_probs is not supported "
+                         "with block_table (a paged KV cache)")
     window_left, window_right = (int(w) for w in window_size)
     variants = dict(window_left=window_left, window_right=window_right, bottom_right=True,
                     softcap=float(softcap), alibi_slopes=alibi_slopes, sinks=sinks)
     out, lse, rng_state = torch.ops.fusedmha.varlen_attention_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), dropout_p,
-        causal, softmax_scale, **variants, seqused_k=seqused_k
+        causal, softmax_scale, **variants, seqused_k=seqused_k, block_table=block_table
     )
     if not return_attn_probs:
         return out
@@ -256,20 +257,29 @@ def flash_attn_with_kvcache(
     positions when causal or windowed, else all at ``cache_seqlens[b]``; pairs are adjacent
     dims (``rotary_interleaved=True``, GPT-J) or the two halves (GPT-NeoX).
 
+    With ``block_table`` (int32 ``(B, pages per sequence)``), the cache is paged:
+    ``k_cache``/``v_cache`` are ``(num_pages, page_size, H_kv, E)`` and row j of sequence b is
+    row ``j % page_size`` of page ``block_table[b, j // page_size]`` (then ``cache_batch_idx``
+    and ``cache_leftpad`` are not supported, as in FlashAttention). ``cache_batch_idx`` alone
+    reads the selected caches in place (as pages of a whole cache each).
+
     ``num_splits`` is accepted for compatibility (the CPU kernels split the keys themselves).
-    ``block_table`` (paged caches) is not supported yet: a ValueError says so. Returns the
-    output ``(B, L, H, E)``, and with ``return_softmax_lse`` also the log-sum-exp ``(B, H, L)``.
+    Returns the output ``(B, L, H, E)``, and with ``return_softmax_lse`` also the log-sum-exp
+    ``(B, H, L)``.
     """
     del num_splits
-    if block_table is not None:
-        raise ValueError("fusedmha.flash_attn_with_kvcache: block_table (a paged KV cache) is "
-                         "not supported yet; pass contiguous k_cache and v_cache")
+    paged = block_table is not None
+    if paged and (cache_batch_idx is not None or cache_leftpad is not None):
+        raise ValueError("fusedmha.flash_attn_with_kvcache: cache_batch_idx and cache_leftpad "
+                         "are not supported with block_table (a paged KV cache)")
     if q.dim() != 4 or k_cache.dim() != 4 or v_cache.dim() != 4:
         raise ValueError("fusedmha.flash_attn_with_kvcache: expected q (B, L, H, E) and "
                          f"k_cache/v_cache (B_cache, S_cache, H_kv, E), got {tuple(q.shape)}, "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     B, L = q.shape[:2]
-    S_cache = k_cache.shape[1]
+    page = k_cache.shape[1]
+    # The rows one sequence's cache holds.
+    S_cache = page * block_table.shape[1] if paged else page
     device = q.device
     with torch.no_grad():
         seqlens = _per_sequence(cache_seqlens, B, S_cache if k is None else None, device,
@@ -295,15 +305,32 @@ def flash_attn_with_kvcache(
                      else cache_batch_idx.to(device=device, dtype=torch.long))
         if k is not None:
             rows = seqlens.long()[:, None] + torch.arange(new, device=device)
-            k_cache[batch_idx[:, None], rows] = k.to(k_cache.dtype)
-            v_cache[batch_idx[:, None], rows] = v.to(v_cache.dtype)
-        k_seq, v_seq = k_cache[:B], v_cache[:B]  # (views)
-        if cache_batch_idx is not None:
-            k_seq, v_seq = k_cache.index_select(0, batch_idx), v_cache.index_select(0, batch_idx)
+            if paged:
+                pages = block_table.long().gather(1, rows // page)
+                k_cache[pages, rows % page] = k.to(k_cache.dtype)
+                v_cache[pages, rows % page] = v.to(v_cache.dtype)
+            else:
+                k_cache[batch_idx[:, None], rows] = k.to(k_cache.dtype)
+                v_cache[batch_idx[:, None], rows] = v.to(v_cache.dtype)
         used = seqlens + new
         variants = dict(window_left=int(window_size[0]), window_right=int(window_size[1]),
                         bottom_right=True, softcap=float(softcap), alibi_slopes=alibi_slopes,
                         sinks=sinks)
+        if cache_batch_idx is not None and not bool(leftpad.any()):
+            # Each selected cache is one page: read in place through a block table.
+            paged, block_table = True, batch_idx.to(torch.int32).view(B, 1)
+        if paged:
+            lengths = torch.nn.functional.pad(used.cumsum(0), (1, 0)).to(torch.int32)
+            out, lse, _ = torch.ops.fusedmha.varlen_attention_forward(
+                q.reshape(B * L, *q.shape[2:]), k_cache, v_cache,
+                torch.arange(B + 1, device=device, dtype=torch.int32) * L, lengths, L, S_cache,
+                0.0, causal, softmax_scale, **variants, block_table=block_table)
+            out = out.view(B, L, *out.shape[1:])
+            return (out, lse.view(lse.shape[0], B, L).transpose(0, 1)) if return_softmax_lse else out
+        k_seq, v_seq = k_cache[:B], v_cache[:B]  # (views)
+        if cache_batch_idx is not None:
+            # (with left padding: the selected caches copied into one batch)
+            k_seq, v_seq = k_cache.index_select(0, batch_idx), v_cache.index_select(0, batch_idx)
         if q.is_cpu and not bool(leftpad.any()) and bool((used == used[0]).all()):
             # One length for the whole batch: the dense kernels over a view of the cache
             # (decoding then reads each K/V head once for all the query heads it serves).

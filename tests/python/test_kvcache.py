@@ -57,6 +57,7 @@ def full_recompute(q, keys, values, kw):
     dict(causal=True, rotary=True, rotary_interleaved=False, sinks=True),
     dict(rotary=True, rotary_interleaved=False),
     dict(causal=True, batch_idx=True, leftpad=True),
+    dict(causal=True, batch_idx=True, rotary=True),
     dict(causal=True, equal_lengths=True),
 ])
 @pytest.mark.parametrize("new", [1, 3])
@@ -135,7 +136,8 @@ def test_decode_steps_equal_attention_over_the_whole_sequence():
 
 
 @pytest.mark.parametrize("call, message", [
-    (dict(block_table=torch.zeros(1, 1, dtype=torch.int32)), "block_table"),
+    (dict(block_table=torch.zeros(1, 1, dtype=torch.int32), cache_leftpad=torch.zeros(
+        1, dtype=torch.int32)), "not supported with block_table"),
     (dict(cache_seqlens=39), "must fit"),
     (dict(k=None), "k and v together"),
     (dict(cache_seqlens=None), "cache_seqlens is needed"),
@@ -148,3 +150,42 @@ def test_bad_inputs_get_clear_errors(call, message):
     args.update(call)
     with pytest.raises(ValueError, match=message):
         fusedmha.flash_attn_with_kvcache(**args)
+
+
+@pytest.mark.parametrize("page", [16, 48, 256])
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(causal=True, window_size=(21, 0)),
+                                dict(rotary=True, causal=True)])
+def test_a_paged_cache_equals_a_contiguous_one(device, page, kw):
+    B, new = 3, 2
+    pages_per_sequence = 512 // page
+    S_cache = page * pages_per_sequence  # (page 48: 480 rows, not a power of two)
+    dtype = torch.float64
+    kw = dict(kw)
+    cache_k = torch.randn(B, S_cache, H_KV, E, dtype=dtype, device=device)
+    cache_v = torch.randn(B, S_cache, H_KV, E, dtype=dtype, device=device)
+    # The same rows scattered over shuffled pages (and a few pages no one uses).
+    num_pages = B * pages_per_sequence + 3
+    table = torch.randperm(num_pages, device=device)[:B * pages_per_sequence].view(
+        B, pages_per_sequence).to(torch.int32)
+    paged_k = torch.randn(num_pages, page, H_KV, E, dtype=dtype, device=device)
+    paged_v = torch.randn(num_pages, page, H_KV, E, dtype=dtype, device=device)
+    paged_k[table.long()] = cache_k.view(B, pages_per_sequence, page, H_KV, E)
+    paged_v[table.long()] = cache_v.view(B, pages_per_sequence, page, H_KV, E)
+    seqlens = torch.tensor([0, 300, S_cache - new - 1], dtype=torch.int32, device=device)
+    q = torch.randn(B, new, H, E, dtype=dtype, device=device)
+    k = torch.randn(B, new, H_KV, E, dtype=dtype, device=device)
+    v = torch.randn(B, new, H_KV, E, dtype=dtype, device=device)
+    if kw.pop("rotary", False):
+        angles = torch.arange(S_cache, dtype=dtype, device=device)[:, None] * torch.rand(
+            4, dtype=dtype, device=device)
+        kw.update(rotary_cos=angles.cos(), rotary_sin=angles.sin())
+    want, want_lse = fusedmha.flash_attn_with_kvcache(q, cache_k, cache_v, k, v,
+                                                      cache_seqlens=seqlens,
+                                                      return_softmax_lse=True, **kw)
+    got, lse = fusedmha.flash_attn_with_kvcache(q, paged_k, paged_v, k, v, cache_seqlens=seqlens,
+                                                block_table=table, return_softmax_lse=True, **kw)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(lse, want_lse, atol=1e-12, rtol=1e-12)
+    # The append went to the right rows of the right pages.
+    torch.testing.assert_close(paged_k[table.long()].view(B, S_cache, H_KV, E), cache_k)
+    torch.testing.assert_close(paged_v[table.long()].view(B, S_cache, H_KV, E), cache_v)

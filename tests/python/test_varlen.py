@@ -222,8 +222,40 @@ def test_bad_inputs_get_clear_errors(change, message):
     assert "fusedmha.varlen_attention_forward" in str(info.value)
 
 
-def test_block_table_is_refused():
+def test_a_paged_batch_equals_the_packed_one(device):
+    """K/V in pages through block_table: the same results as the packed rows, forward only."""
+    page, per_sequence = 16, 6
+    q, k, v, cu_q, cu_k = packed_batch(device, torch.float64)
+    B = len(LENS_Q)
+    num_pages = B * per_sequence + 2
+    table = torch.randperm(num_pages, device=device)[:B * per_sequence].view(B, per_sequence)
+    paged_k = torch.zeros(num_pages, page, H_KV, E, dtype=torch.float64, device=device)
+    paged_v = torch.zeros_like(paged_k)
+    for b, (kb, vb) in enumerate(zip(sequences(k, cu_k), sequences(v, cu_k))):
+        n = kb.shape[1]
+        rows_k = torch.zeros(per_sequence * page, H_KV, E, dtype=torch.float64, device=device)
+        rows_v = torch.zeros_like(rows_k)
+        rows_k[:n], rows_v[:n] = kb.transpose(0, 1).detach(), vb.transpose(0, 1).detach()
+        paged_k[table[b]] = rows_k.view(per_sequence, page, H_KV, E)
+        paged_v[table[b]] = rows_v.view(per_sequence, page, H_KV, E)
+    for kw in (dict(causal=True), dict(window_size=(7, 2), softcap=2.0)):
+        got = fusedmha.flash_attn_varlen_func(q.detach(), paged_k, paged_v, cu_q, cu_k,
+                                              max(LENS_Q), max(LENS_K),
+                                              block_table=table.to(torch.int32), **kw)
+        want = fusedmha.flash_attn_varlen_func(q.detach(), k.detach(), v.detach(), cu_q, cu_k,
+                                               max(LENS_Q), max(LENS_K), **kw)
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    # Forward only: the backward says so.
+    qg = q.detach().requires_grad_()
+    out = fusedmha.flash_attn_varlen_func(qg, paged_k, paged_v, cu_q, cu_k, max(LENS_Q),
+                                          max(LENS_K), block_table=table.to(torch.int32))
+    with pytest.raises(RuntimeError, match="forward only"):
+        out.sum().backward()
+
+
+def test_a_block_table_out_of_range_is_refused():
     q, k, v, cu_q, cu_k = packed_batch("cpu", torch.float32, [3], [4])
-    with pytest.raises(ValueError, match="block_table"):
-        fusedmha.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 4,
-                                        block_table=torch.zeros(1, 1, dtype=torch.int32))
+    pages = torch.zeros(2, 16, H_KV, E)
+    with pytest.raises(RuntimeError, match=r"page indices in \[0, 2\)"):
+        fusedmha.flash_attn_varlen_func(q, pages, pages, cu_q, cu_k, 3, 4,
+                                        block_table=torch.tensor([[2]], dtype=torch.int32))

@@ -126,7 +126,10 @@ FUSEDMHA_API at::Tensor attention_weights(
 // from its own diagonal (variants.bottom_right = true for FlashAttention's
 // alignment), no work is spent on padding. Returns the output (total_q, H,
 // Ev), the log-sum-exp (H, total_q) and the dropout rng state.
-// Differentiable with respect to query, key, value and the sinks.
+// Differentiable with respect to query, key, value and the sinks. With
+// block_table (int32, (B, pages per sequence)), key and value are a paged
+// cache (num_pages, page_size, H_kv, E/Ev) instead, and cu_seqlens_k (or
+// seqused_k) only gives each sequence's key count: forward only.
 FUSEDMHA_API std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_forward(
     const at::Tensor& query,
     const at::Tensor& key,
@@ -139,7 +142,8 @@ FUSEDMHA_API std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_for
     bool is_causal = false,
     std::optional<double> scale = std::nullopt,
     const AttentionVariants& variants = {},
-    const std::optional<at::Tensor>& seqused_k = std::nullopt);
+    const std::optional<at::Tensor>& seqused_k = std::nullopt,
+    const std::optional<at::Tensor>& block_table = std::nullopt);
 
 // The backward of varlen_attention_forward (fusedmha::varlen_attention_backward),
 // as attention_backward is attention_forward's.
