@@ -160,17 +160,23 @@ struct AttentionParams {
   DropoutParams dropout;
 
   // The output (query's dtype) and the log-sum-exp of each row's scores in
-  // acc_t (float; double for Float64), one column whose rows are adjacent
-  // (lse_row(p, lse, o)[i] is row i).
+  // acc_t (float; double for Float64), one column (row i of outer index o
+  // is lse_rows(p, p.lse, o)[i]).
   Matrix out;
   Matrix lse;
 };
 
-// Where the rows of outer index o start in m, a matrix laid out like p.lse
-// (lse, grad_lse, delta).
+// The rows of outer index o in m, a one-column matrix laid out like p.lse
+// (lse, grad_lse, delta): rows[i] is row i.
 template <typename T>
-FUSEDMHA_HOST_DEVICE T* lse_row(const AttentionParams& p, const Matrix& m, int64_t o) {
-  return matrix_start<T>(p.outer, m, o);
+struct RowValues {
+  T* first;
+  int64_t stride;
+  FUSEDMHA_HOST_DEVICE T& operator[](int64_t i) const { return first[i * stride]; }
+};
+template <typename T>
+FUSEDMHA_HOST_DEVICE RowValues<T> lse_rows(const AttentionParams& p, const Matrix& m, int64_t o) {
+  return {matrix_start<T>(p.outer, m, o), m.row_stride};
 }
 
 // ---- key rows (paged or not) ---------------------------------------------

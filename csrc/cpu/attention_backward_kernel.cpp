@@ -170,17 +170,17 @@ class BackwardKernel {
   // lanes get D = 0 and lse = +inf, so their probabilities are 0.
   void load_row_stats(int64_t o, int64_t q0, int64_t rows, int64_t bq, const acc_t* dout,
                       int64_t lddo) {
-    const acc_t* lse = lse_row<const acc_t>(p_, p_.lse, o) + q0;
-    const acc_t* grad_lse =
-        bp_.grad_lse.data ? lse_row<const acc_t>(p_, bp_.grad_lse, o) + q0 : nullptr;
+    const auto lse = lse_rows<const acc_t>(p_, p_.lse, o);
+    const bool has_grad_lse = bp_.grad_lse.data != nullptr;
+    const auto grad_lse = lse_rows<const acc_t>(p_, bp_.grad_lse, o);
     const scalar_t* out_rows = tiles_.start(p_.out, o) + q0 * p_.out.row_stride;
     for (int64_t i = 0; i < rows; ++i) {
       const scalar_t* out = out_rows + i * p_.out.row_stride;
       const acc_t* g = dout + i * lddo;
       acc_t sum = 0;
       for (int64_t e = 0; e < p_.dim_v; ++e) sum += g[e] * static_cast<acc_t>(out[e]);
-      ws_.d[i] = grad_lse ? sum - grad_lse[i] : sum;
-      ws_.lse[i] = lse[i];
+      ws_.d[i] = has_grad_lse ? sum - grad_lse[q0 + i] : sum;
+      ws_.lse[i] = lse[q0 + i];
     }
     std::fill(ws_.d + rows, ws_.d + bq, acc_t(0));
     std::fill(ws_.lse + rows, ws_.lse + bq, std::numeric_limits<acc_t>::infinity());

@@ -24,11 +24,14 @@ namespace {
 
 constexpr int64_t kMaxBlockQ = 128;
 constexpr int64_t kBlockKV = 64;
+// Query blocks of at most this many rows (decoding) take few_row_scores.
+constexpr int64_t kFewRows = 8;
 
 // Scratch of one thread.
 template <typename acc_t>
 struct ForwardWorkspace {
   acc_t* qt;     // bq × dqk    scaled Qᵀ in panels of nr queries
+  acc_t* qr;     // kFewRows × dqk  scaled Q rows (blocks of few rows)
   acc_t* st;     // bkv × bq    scores, then probabilities, transposed
   acc_t* o;      // bq × dv     unnormalised output (dv: Ev padded to the panel width)
   acc_t* k;      // bkv × dqk   widened key block (half-precision inputs)
@@ -45,6 +48,7 @@ struct ForwardWorkspace {
     const int64_t bq = split.block_q, bkv = split.block_kv;
     dv = round_up(p.dim_v, nr);
     qt = arena.take(bq * p.dim_qk);
+    qr = arena.take(kFewRows * p.dim_qk);
     st = arena.take(bkv * bq);
     o = arena.take(bq * dv);
     k = arena.take(bkv * round_up(p.dim_qk, nr));
@@ -77,8 +81,13 @@ class ForwardKernel {
     const int64_t rows = std::min(split_.block_q, p_.len_q - q0);
     const int64_t bq = round_up(rows, nr);  // queries in vector lanes, padded
 
-    tiles_.pack_transposed(p_.q, o, q0, rows, bq, p_.dim_qk, static_cast<acc_t>(p_.scale),
-                           ws_.qt);
+    const bool few_rows = rows <= kFewRows && p_.softcap == 0;
+    if (few_rows) {
+      tiles_.pack_rows(p_.q, o, q0, rows, p_.dim_qk, static_cast<acc_t>(p_.scale), ws_.qr);
+    } else {
+      tiles_.pack_transposed(p_.q, o, q0, rows, bq, p_.dim_qk, static_cast<acc_t>(p_.scale),
+                             ws_.qt);
+    }
     std::fill(ws_.o, ws_.o + rows * ws_.dv, acc_t(0));
     // A sink is a key of score `sink` and no value: the running max and sum
     // start from it.
@@ -102,7 +111,11 @@ class ForwardKernel {
       int64_t ldk, ldv;
       const acc_t* k = tiles_.key_rows_of(Tiles::KeySide::K, o, k0, cols, p_.dim_qk, false, ws_.k,
                                                  &ldk);
-      tiles_.scores(k, ldk, cols, ws_.qt, bq, ws_.st);
+      if (few_rows) {
+        tiles_.few_row_scores(k, ldk, cols, ws_.qr, rows, bq, ws_.st);
+      } else {
+        tiles_.scores(k, ldk, cols, ws_.qt, bq, ws_.st);
+      }
       tiles_.transform_scores(o, q0, rows, bq, k0, cols, ws_.st, ws_.mt);
       softmax_step(bq, cols);
       rescale_output(rows);
@@ -174,7 +187,7 @@ class ForwardKernel {
 
   void write_output(int64_t o, int64_t q0, int64_t rows) {
     scalar_t* out = matrix_start<scalar_t>(p_.outer, p_.out, o);
-    acc_t* lse = lse_row<acc_t>(p_, p_.lse, o);
+    const auto lse = lse_rows<acc_t>(p_, p_.lse, o);
     constexpr acc_t inf = std::numeric_limits<acc_t>::infinity();
     constexpr acc_t nan = std::numeric_limits<acc_t>::quiet_NaN();
     for (int64_t i = 0; i < rows; ++i) {

@@ -395,6 +395,52 @@ class TileReader {
     }
   }
 
+  // Rows r0..r0+rows of t times scale, as dense acc_t rows of dim (few_row_scores' qr).
+  void pack_rows(const Matrix& t, int64_t o, int64_t r0, int64_t rows, int64_t dim, acc_t scale,
+                 acc_t* dst) const {
+    const scalar_t* first = start(t, o) + r0 * t.row_stride;
+    for (int64_t i = 0; i < rows; ++i) {
+      for (int64_t e = 0; e < dim; ++e) dst[i * dim + e] = static_cast<acc_t>(first[i * t.row_stride + e]) * scale;
+    }
+  }
+
+  // Sᵀ as scores() computes it (no softcap), for a block of few query rows
+  // (decoding: one row per head, or the G heads of a K/V head): dot
+  // products along the head dim, so the work is rows·cols·dim, not the
+  // panel width's (query lanes padded to 2 vectors would multiply it by up
+  // to 2·w / rows). qr holds the rows (pack_rows); lanes rows..bq of st get 0.
+  void few_row_scores(const acc_t* k, int64_t ldk, int64_t cols, const acc_t* qr, int64_t rows,
+                      int64_t bq, acc_t* st) const {
+    const int64_t d = p_.dim_qk, full = d / w * w;
+    for (int64_t j = 0; j < cols; ++j) {
+      const acc_t* kj = k + j * ldk;
+      acc_t* s = st + j * bq;
+      for (int64_t c = 0; c < bq; c += w) Vec(acc_t(0)).store(s + c);
+      int64_t i = 0;
+      for (; i + 4 <= rows; i += 4) {  // four rows share each load of the key
+        Vec a0(acc_t(0)), a1(acc_t(0)), a2(acc_t(0)), a3(acc_t(0));
+        const acc_t* q = qr + i * d;
+        for (int64_t e = 0; e < full; e += w) {
+          const Vec kv = Vec::loadu(kj + e);
+          a0 = at::vec::fmadd(kv, Vec::loadu(q + e), a0);
+          a1 = at::vec::fmadd(kv, Vec::loadu(q + d + e), a1);
+          a2 = at::vec::fmadd(kv, Vec::loadu(q + 2 * d + e), a2);
+          a3 = at::vec::fmadd(kv, Vec::loadu(q + 3 * d + e), a3);
+        }
+        s[i] = a0.reduce_add() + dot_tail(kj, q, full, d);
+        s[i + 1] = a1.reduce_add() + dot_tail(kj, q + d, full, d);
+        s[i + 2] = a2.reduce_add() + dot_tail(kj, q + 2 * d, full, d);
+        s[i + 3] = a3.reduce_add() + dot_tail(kj, q + 3 * d, full, d);
+      }
+      for (; i < rows; ++i) {
+        Vec a(acc_t(0));
+        const acc_t* q = qr + i * d;
+        for (int64_t e = 0; e < full; e += w) a = at::vec::fmadd(Vec::loadu(kj + e), Vec::loadu(q + e), a);
+        s[i] = a.reduce_add() + dot_tail(kj, q, full, d);
+      }
+    }
+  }
+
   // Sᵀ = K·(scale·Q)ᵀ for keys k (ldk apart) and the packed query panels qt.
   // With softcap, the scores come out capped (the GEMM's epilogue).
   void scores(const acc_t* k, int64_t ldk, int64_t cols, const acc_t* qt, int64_t bq,
@@ -518,6 +564,12 @@ class TileReader {
   }
 
  private:
+  static acc_t dot_tail(const acc_t* a, const acc_t* b, int64_t from, int64_t to) {
+    acc_t sum = 0;
+    for (int64_t e = from; e < to; ++e) sum += a[e] * b[e];
+    return sum;
+  }
+
   const Matrix& key_matrix(KeySide side) const { return side == KeySide::K ? p_.k : p_.v; }
   const scalar_t* key_rows(KeySide side, int64_t o, int64_t k0) const {
     return static_cast<const scalar_t*>(key_matrix(side).data) +

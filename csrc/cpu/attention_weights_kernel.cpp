@@ -93,8 +93,8 @@ class WeightsKernel {
     if (o != packed_o_ || q0 != packed_q0_) {
       tiles_.pack_transposed(p_.q, o, q0, rows, bq, p_.dim_qk, static_cast<acc_t>(p_.scale),
                              ws_.qt);
-      const acc_t* lse = lse_row<const acc_t>(p_, p_.lse, o) + q0;
-      std::copy(lse, lse + rows, ws_.lse);
+      const auto lse = lse_rows<const acc_t>(p_, p_.lse, o);
+      for (int64_t i = 0; i < rows; ++i) ws_.lse[i] = lse[q0 + i];
       std::fill(ws_.lse + rows, ws_.lse + bq, std::numeric_limits<acc_t>::infinity());
       packed_o_ = o;
       packed_q0_ = q0;

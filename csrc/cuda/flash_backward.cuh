@@ -54,8 +54,8 @@ __global__ void __launch_bounds__(kThreads) kernel(const BackwardParams params) 
   const T* q = static_cast<const T*>(p.q.data) + outer_offset(p.outer, p.q, o);
   const T* dout = static_cast<const T*>(bp.grad_out.data) + outer_offset(p.outer, bp.grad_out, o);
   const int64_t mask_base = p.mask_kind == MaskKind::None ? 0 : outer_offset(p.outer, p.mask, o);
-  const float* lse = lse_row<const float>(p, p.lse, o);
-  const float* delta = lse_row<const float>(p, bp.delta, o);
+  const auto lse = lse_rows<const float>(p, p.lse, o);
+  const auto delta = lse_rows<const float>(p, bp.delta, o);
   float* grad_q = matrix_start<float>(p.outer, bp.grad_q, o);
 
   k_tile.template load_async<kThreads>(static_cast<const T*>(p.k.data) + outer_offset(p.outer, p.k, o) + k0 * p.k.row_stride,

@@ -210,7 +210,7 @@ __global__ void __launch_bounds__(kThreads) kernel(const AttentionParams params)
 
   // Normalise, write the output and the log-sum-exp (natural log).
   T* out = static_cast<T*>(const_cast<void*>(p.out.data)) + outer_offset(p.outer, p.out, o);
-  float* lse = lse_row<float>(p, p.lse, o);
+  const auto lse = lse_rows<float>(p, p.lse, o);
   const float keep_scale = dropout ? static_cast<float>(1.0 / (1.0 - p.dropout.p)) : 1.0f;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {

@@ -139,7 +139,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) forward_kernel(const Atte
   T* out = static_cast<T*>(const_cast<void*>(p.out.data)) + outer_offset(p.outer, p.out, o) +
            i * p.out.row_stride;
   for (int e = lane; e < dv; e += 32) out[e * p.out.col_stride] = from_acc<T>(o_s[e] * inv);
-  if (lane == 0) lse_row<A>(p, p.lse, o)[i] = lse;
+  if (lane == 0) lse_rows<A>(p, p.lse, o)[i] = lse;
 }
 
 // What the backward needs of element (o, i, j) of the band besides the
@@ -199,8 +199,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) backward_dq_kernel(const 
     dq_s[e] = 0;
   }
   for (int e = lane; e < dv; e += 32) do_s[e] = to_acc<A>(dout[e]);
-  const A lse = lse_row<const A>(p, p.lse, o)[i];
-  const A delta = lse_row<const A>(p, bp.delta, o)[i];
+  const A lse = lse_rows<const A>(p, p.lse, o)[i];
+  const A delta = lse_rows<const A>(p, bp.delta, o)[i];
 
   const A slope = static_cast<A>(alibi_slope(p, o));
   for (int64_t j = band_key_begin(p, i); j < band_key_end(p, i + 1); ++j) {
@@ -247,8 +247,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) backward_dkdv_kernel(cons
     v_s[e] = to_acc<A>(v[e]);
     dv_s[e] = 0;
   }
-  const A* lse = lse_row<const A>(p, p.lse, o);
-  const A* delta = lse_row<const A>(p, bp.delta, o);
+  const auto lse = lse_rows<const A>(p, p.lse, o);
+  const auto delta = lse_rows<const A>(p, bp.delta, o);
 
   // Only the queries whose band sees key j.
   const A slope = static_cast<A>(alibi_slope(p, o));
@@ -309,7 +309,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) weights_kernel(const Weig
       } else if (p.mask_kind != MaskKind::None) {
         x += mask_term<A>(p, outer_offset(p.outer, p.mask, o), i, j);
       }
-      const A lse = lse_row<const A>(p, p.lse, o)[i];
+      const A lse = lse_rows<const A>(p, p.lse, o)[i];
       A pr = x == A(-INFINITY) ? A(0) : exp_acc(x - lse);
       if (dropout) pr *= dropout_keeps(stream, p.dropout.threshold, o, i, j) ? keep_scale : A(0);
       w += pr;

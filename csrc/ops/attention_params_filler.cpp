@@ -39,17 +39,37 @@ at::Tensor last_dim_contiguous(const at::Tensor& t) {
   return t.size(-1) <= 1 || t.stride(-1) == 1 ? t : t.contiguous();
 }
 
-bool packs_query_heads(const at::Tensor& query, const at::Tensor& key,
-                       const std::optional<at::Tensor>& attn_mask, bool is_causal,
-                       const AttentionVariants& v, double dropout_p) {
-  if (query.dim() < 3 || key.dim() < 3 || query.size(-2) != 1 || dropout_p > 0) return false;
-  const int64_t h = query.size(-3), h_kv = key.size(-3);
-  if (h_kv == 0 || h <= h_kv || h % h_kv != 0) return false;
+namespace {
+
+// Whether one query row per sequence with h = G·h_kv heads may be read as G
+// rows of one item per K/V head: G > 1, and nothing tells those rows apart
+// by position or head.
+bool one_row_heads_pack(int64_t h, int64_t h_kv, bool is_causal, const AttentionVariants& v,
+                        double dropout_p) {
+  if (dropout_p > 0 || h_kv == 0 || h <= h_kv || h % h_kv != 0) return false;
   if (v.alibi_slopes.has_value() || v.sinks.has_value() || v.window_left >= 0) return false;
   // With one query row, a bottom-right diagonal is the last key: a causal mask
   // or right window around it hides nothing.
-  if ((is_causal || v.window_right >= 0) && !v.bottom_right) return false;
+  return !(is_causal || v.window_right >= 0) || v.bottom_right;
+}
+
+}  // namespace
+
+bool packs_query_heads(const at::Tensor& query, const at::Tensor& key,
+                       const std::optional<at::Tensor>& attn_mask, bool is_causal,
+                       const AttentionVariants& v, double dropout_p) {
+  if (query.dim() < 3 || key.dim() < 3 || query.size(-2) != 1) return false;
+  if (!one_row_heads_pack(query.size(-3), key.size(-3), is_causal, v, dropout_p)) return false;
   return !attn_mask.has_value() || attn_mask->dim() < 3 || attn_mask->size(-3) == 1;
+}
+
+bool packs_query_heads(const at::Tensor& query, const at::Tensor& key, const PackedBatch& batch,
+                       bool is_causal, const AttentionVariants& v, double dropout_p) {
+  const int64_t b = batch.cu_seqlens_q.size(0) - 1;
+  const int64_t h_kv = key.size(batch.block_table.has_value() ? 2 : 1);
+  if (!query.is_cpu() || query.size(0) != b || b < 1) return false;
+  if (!one_row_heads_pack(query.size(1), h_kv, is_causal, v, dropout_p)) return false;
+  return at::equal(batch.cu_seqlens_q, at::arange(b + 1, batch.cu_seqlens_q.options()));
 }
 
 AttentionCall::AttentionCall(const char* op, const at::Tensor& query, const at::Tensor& key,
@@ -90,13 +110,17 @@ AttentionCall::AttentionCall(const char* op, const at::Tensor& query, const at::
                              std::optional<double> scale, const AttentionVariants& variants,
                              double dropout_p, RowLayout layout)
     : query_(query), layout_(layout), packed_batch_(true) {
-  (void)dropout_p;  // (the dropout stream is drawn or replayed by the passes)
   outer_shape_ = {batch.cu_seqlens_q.size(0) - 1, query.size(1)};
+  if (packs_query_heads(query, key, batch, is_causal, variants, dropout_p)) {
+    group_ = query.size(1) / key.size(batch.block_table.has_value() ? 2 : 1);
+    outer_shape_.back() /= group_;  // the K/V heads
+  }
   set_outer_shape(op);
   AttentionParams& p = inputs_;
   p.dtype = dtype_of(query.scalar_type());
-  // Items cover the longest sequence (no longer than all the rows).
-  p.len_q = std::min(batch.max_seqlen_q, query.size(0));
+  // Items cover the longest sequence (no longer than all the rows); decoding
+  // with packed heads, the G query heads of a K/V head are its rows.
+  p.len_q = group_ > 1 ? group_ : std::min(batch.max_seqlen_q, query.size(0));
   p.dim_qk = query.size(-1);
   p.dim_v = value.size(-1);
   p.q = describe_in_layout(query, true);
@@ -122,12 +146,14 @@ AttentionCall::AttentionCall(const char* op, const at::Tensor& query, const at::
     p.k = describe_in_layout(key, false);
     p.v = describe_in_layout(value, false);
   }
-  p.seq.cu_q = batch.cu_seqlens_q.const_data_ptr<int32_t>();
+  // (Packed heads: sequence b's query row is row b, a batch dim of its own.)
+  if (group_ == 1) p.seq.cu_q = batch.cu_seqlens_q.const_data_ptr<int32_t>();
   p.seq.cu_k = batch.cu_seqlens_k.const_data_ptr<int32_t>();
   if (batch.seqused_k.has_value()) p.seq.used_k = batch.seqused_k->const_data_ptr<int32_t>();
   p.seq.heads = outer_shape_[1];
   key_rows_ = key.size(0);
   set_variants(is_causal, scale, variants);
+  if (group_ > 1) p.window_right = -1;  // (one bottom-right query row: it hides nothing)
 }
 
 void AttentionCall::set_outer_shape(const char* op) {
@@ -219,20 +245,28 @@ Matrix AttentionCall::describe_rows(const at::Tensor& t, bool query_rows) const 
   if (!packed_batch_) return describe(query_rows ? packed(t) : t);
   // t (rows, heads, cols): the outer dims are (sequences, heads); a
   // sequence's rows are found through the params' Sequences, so the
-  // sequence dim has stride 0.
+  // sequence dim has stride 0. With packed query heads (one query row per
+  // sequence), query-side rows are instead the G heads of a K/V head, and
+  // row b is sequence b.
+  const bool heads_as_rows = query_rows && group_ > 1;
   Matrix m;
   m.data = const_cast<void*>(t.const_data_ptr());
   int c = 0;
-  if (outer_shape_[0] != 1) ++c;
+  if (outer_shape_[0] != 1) {
+    if (heads_as_rows) m.outer_stride[c] = t.stride(0);
+    ++c;
+  }
   const int64_t heads = outer_shape_[1];
   if (heads != 1) {
-    if (t.size(1) != 1) {
+    if (heads_as_rows) {
+      m.outer_stride[c] = t.stride(1) * group_;
+    } else if (t.size(1) != 1) {
       m.outer_stride[c] = t.stride(1);
       m.divisor[c] = heads / t.size(1);  // grouped-query heads
     }
     ++c;
   }
-  m.row_stride = t.stride(0);
+  m.row_stride = heads_as_rows ? t.stride(1) : t.stride(0);
   m.col_stride = broadcast_stride(t, -1);
   return m;
 }
@@ -246,9 +280,9 @@ Matrix AttentionCall::describe_in_layout(const at::Tensor& t, bool query_rows) {
 Matrix AttentionCall::describe_lse(const at::Tensor& lse) {
   TORCH_INTERNAL_ASSERT(lse.is_contiguous());
   // (..., H, L) as (..., H, L, 1); (H, total_q) as (total_q, H, 1).
-  Matrix m = packed_batch_ ? describe_rows(lse.t().unsqueeze(-1), true)
-                           : describe(packed(lse.unsqueeze(-1)));
-  m.row_stride = 1;
+  if (packed_batch_) return describe_rows(lse.t().unsqueeze(-1), true);
+  Matrix m = describe(packed(lse.unsqueeze(-1)));
+  m.row_stride = 1;  // (a single row may have been read as broadcast)
   return m;
 }
 
@@ -303,7 +337,7 @@ DenseGradients AttentionCall::allocate_gradients(BackwardParams& bp) const {
     // Rows no sequence covers get no gradient: zeroed, like the rest.
     const int64_t heads = outer_shape_[1];
     g.packed_batch = true;
-    g.q = at::zeros({bp.grad_q_splits, query_.size(0), heads, p.dim_qk}, acc);
+    g.q = at::zeros({bp.grad_q_splits, query_.size(0), query_.size(1), p.dim_qk}, acc);
     g.k = at::zeros({key_rows_, heads, p.dim_qk}, acc);
     g.v = at::zeros({key_rows_, heads, p.dim_v}, acc);
   } else {

@@ -58,6 +58,12 @@ bool packs_query_heads(const at::Tensor& query, const at::Tensor& key,
                        const std::optional<at::Tensor>& attn_mask, bool is_causal,
                        const AttentionVariants& variants, double dropout_p);
 
+// The same for a packed batch: one query row per sequence (cu_seqlens_q =
+// 0, 1, ..., B) and the conditions above. Read on the CPU only (on a GPU
+// it would wait for the device).
+bool packs_query_heads(const at::Tensor& query, const at::Tensor& key, const PackedBatch& batch,
+                       bool is_causal, const AttentionVariants& variants, double dropout_p);
+
 // One attention call described for the kernels (the inputs already checked).
 // It keeps alive every copy its row layout made, and the device copy of a
 // replayed rng_state, so it must outlive the kernels' run.

@@ -152,11 +152,12 @@ def test_bad_inputs_get_clear_errors(call, message):
         fusedmha.flash_attn_with_kvcache(**args)
 
 
+@pytest.mark.parametrize("new", [1, 2])
 @pytest.mark.parametrize("page", [16, 48, 256])
 @pytest.mark.parametrize("kw", [dict(causal=True), dict(causal=True, window_size=(21, 0)),
                                 dict(rotary=True, causal=True)])
-def test_a_paged_cache_equals_a_contiguous_one(device, page, kw):
-    B, new = 3, 2
+def test_a_paged_cache_equals_a_contiguous_one(device, page, kw, new):
+    B = 3
     pages_per_sequence = 512 // page
     S_cache = page * pages_per_sequence  # (page 48: 480 rows, not a power of two)
     dtype = torch.float64
