@@ -74,3 +74,11 @@ def test_varlen_benchmark_smoke_run():
                          capture_output=True, text=True, timeout=600, env=dict(os.environ))
     assert res.returncode == 0, res.stderr
     assert "varlen ms" in res.stdout and "vs fused pad" in res.stdout, res.stdout
+
+
+def test_generate_benchmark_smoke_run():
+    pytest.importorskip("transformers")
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_generate_cpu.py"), "--quick"],
+                         capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    assert res.returncode == 0, res.stderr
+    assert "decode tok/s" in res.stdout and "same tokens: True" in res.stdout, res.stdout

@@ -198,10 +198,81 @@ def test_variant_families_generate_like_eager(family):
     assert torch.equal(out["fusedmha"], out["eager"])
 
 
-@pytest.mark.parametrize("name", ["position_bias", "head_mask", "cu_seq_lens_q"])
+@pytest.mark.parametrize("name", ["position_bias", "head_mask"])
 def test_arguments_that_would_change_the_result_are_refused(name):
     from fusedmha.integrations.transformers import fusedmha_attention_forward
 
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(ValueError, match=f"does not support .*`{name}`"):
         fusedmha_attention_forward(torch.nn.Module(), q, q, q, None, **{name: torch.zeros(1)})
+
+
+PACKED_LENGTHS = [5, 11, 3, 9]
+
+
+def packed_and_padded():
+    """The same sequences as a flattened (padding-free) batch and as a right-padded one."""
+    from transformers import DataCollatorWithFlattening
+
+    torch.manual_seed(2)
+    seqs = [torch.randint(0, 128, (n,)).tolist() for n in PACKED_LENGTHS]
+    features = [{"input_ids": ids} for ids in seqs]
+    packed = DataCollatorWithFlattening(return_tensors="pt")(features)
+    with_kwargs = DataCollatorWithFlattening(return_tensors="pt",
+                                             return_flash_attn_kwargs=True)(features)
+    longest = max(PACKED_LENGTHS)
+    ids = torch.zeros(len(seqs), longest, dtype=torch.long)
+    mask = torch.zeros(len(seqs), longest, dtype=torch.long)
+    labels = torch.full((len(seqs), longest), -100)
+    for b, seq in enumerate(seqs):
+        ids[b, :len(seq)] = torch.tensor(seq)
+        mask[b, :len(seq)] = 1
+        labels[b, :len(seq)] = torch.tensor(seq)
+    return packed, with_kwargs, dict(input_ids=ids, attention_mask=mask, labels=labels)
+
+
+def count_varlen_calls(monkeypatch):
+    from fusedmha.integrations import transformers as integration
+
+    calls = []
+    real = integration._varlen_forward
+    monkeypatch.setattr(integration, "_varlen_forward",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("kwargs", [False, True])
+def test_packed_batch_loss_equals_the_padded_one(monkeypatch, kwargs):
+    """Padding-free training (DataCollatorWithFlattening): position_ids that restart, or the
+    cu_seq_lens_q/k kwargs, run the varlen kernels; loss and gradients equal the padded batch's."""
+    packed, with_kwargs, padded = packed_and_padded()
+    batch = with_kwargs if kwargs else packed
+    if kwargs:
+        assert "cu_seq_lens_q" in batch
+    # (No cache: with one, transformers does not read restarting position_ids as packing.)
+    batch = dict(batch, use_cache=False)
+    calls = count_varlen_calls(monkeypatch)
+    model = tiny_llama("fusedmha").train()
+    loss_packed = model(**batch).loss
+    grads_packed = torch.autograd.grad(loss_packed, list(model.parameters()))
+    assert len(calls) == model.config.num_hidden_layers
+    loss_padded = model(**padded).loss
+    grads_padded = torch.autograd.grad(loss_padded, list(model.parameters()))
+    torch.testing.assert_close(loss_packed, loss_padded, atol=1e-5, rtol=1e-5)
+    for a, b in zip(grads_packed, grads_padded):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    # And against "sdpa" on the same packed batch.
+    torch.testing.assert_close(loss_packed, tiny_llama("sdpa").train()(**batch).loss,
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_generate_gives_the_tokens_sdpa_gives(cache):
+    ids, mask = llama_batch()
+    out = {}
+    for impl in ("fusedmha", "sdpa"):
+        model = tiny_llama(impl).eval()
+        out[impl] = model.generate(ids[:, :12], attention_mask=mask[:, :12], max_new_tokens=16,
+                                   do_sample=False, cache_implementation=cache,
+                                   pad_token_id=0)
+    assert torch.equal(out["fusedmha"], out["sdpa"])

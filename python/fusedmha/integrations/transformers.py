@@ -10,6 +10,9 @@ meaning too). Covers what models pass: padding and causal masks, the causal flag
 scaling, grouped-query attention (num_key_value_groups: K/V are not repeated), transformers'
 (batch, heads, seq, head_dim) layout, and the variants some models use: sliding windows
 (Mistral, Qwen2, Gemma 2, gpt-oss), softcap (Gemma 2) and attention sinks (gpt-oss's s_aux).
+Packed batches (padding-free training with DataCollatorWithFlattening: the ``cu_seq_lens_q/k``
+kwargs, or ``position_ids`` that restart within a row) run fusedmha's varlen kernels, which
+attend within each sequence and spend no work across them.
 An argument that would change the result and that fusedmha cannot honour raises an error.
 """
 
@@ -28,10 +31,6 @@ NAME = "fusedmha"
 _UNSUPPORTED = {
     "position_bias": "relative position biases (T5-style)",
     "head_mask": "head masks",
-    "cu_seq_lens_q": "packed sequences (cu_seq_lens_q/k)",
-    "cu_seq_lens_k": "packed sequences (cu_seq_lens_q/k)",
-    "max_length_q": "packed sequences (max_length_q/k)",
-    "max_length_k": "packed sequences (max_length_q/k)",
 }
 
 
@@ -84,6 +83,11 @@ def fusedmha_attention_forward(
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     variants = dict(softcap=float(softcap or 0.0), sinks=s_aux)
+    packed, explicit = _packed_sequences(query, key, kwargs)
+    if packed is not None and _mask_is_packing_only(attention_mask, packed, bool(is_causal),
+                                                     explicit):
+        return _varlen_forward(query, key, value, packed, dropout, scaling, bool(is_causal),
+                               sliding_window, variants), None
     causal = bool(is_causal) and attention_mask is None
     if causal and sliding_window is not None and kv_length >= sliding_window:
         # fusedmha_mask left this sliding-window layer to the kernel: its queries are the
@@ -103,6 +107,72 @@ def fusedmha_attention_forward(
         scale=scaling, enable_gqa=query.shape[1] != key.shape[1], **variants,
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _packed_sequences(query, key, kwargs):
+    """(cu, explicit): the cumulative sequence lengths of a packed batch (int32, over the B·L
+    rows of the batch), from the cu_seq_lens_q/k kwargs (explicit) or from position_ids that
+    restart within a row; None for an ordinary batch."""
+    B, L = query.shape[0], query.shape[2]
+    if key.shape[2] != L:
+        return None, False  # (a cache: not a packed batch)
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None or cu_k is not None:
+        if cu_q is None or cu_k is None or not torch.equal(cu_q, cu_k):
+            raise ValueError("fusedmha attention supports packed self-attention batches only: "
+                             "cu_seq_lens_q and cu_seq_lens_k must be given together and equal")
+        if int(cu_q[-1]) != B * L:
+            raise ValueError(f"fusedmha attention: cu_seq_lens_q ends at {int(cu_q[-1])}, but the "
+                             f"batch has {B * L} rows")
+        return cu_q.to(device=query.device, dtype=torch.int32), True
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None or position_ids.shape[-1] != L or position_ids.dim() != 2:
+        return None, False
+    # A sequence starts at every row start and wherever the position does not step by one
+    # (transformers' own rule for packed sequences).
+    steps = position_ids.expand(B, L).diff(dim=-1) != 1
+    if not bool(steps.any()):
+        return None, False
+    starts = torch.nn.functional.pad(steps, (1, 0), value=True).flatten().nonzero().flatten()
+    ends = torch.tensor([B * L], device=starts.device)
+    return torch.cat((starts, ends)).to(device=query.device, dtype=torch.int32), False
+
+
+def _mask_is_packing_only(attention_mask, cu, causal, explicit):
+    """Whether transformers' mask for this batch says nothing beyond the packing (each
+    sequence attends within itself, causally when causal): then the varlen kernels honour it
+    without reading it. Anything else (padding, custom masks) keeps the dense path. Without a
+    mask, only explicit cu_seq_lens mean packing: from position_ids alone, transformers packs
+    only when it builds the packing into the mask (no 2-D mask and no cache)."""
+    if attention_mask is None:
+        return explicit
+    if attention_mask.dtype != torch.bool or attention_mask.dim() != 4:
+        return False
+    B, L = attention_mask.shape[0], attention_mask.shape[-1]
+    if attention_mask.shape[-2] != L or cu[-1] != B * L:
+        return False
+    lengths = cu.diff().long()
+    ids = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu.device), lengths)
+    ids = ids.view(B, L)
+    expected = ids[:, :, None] == ids[:, None, :]
+    if causal:
+        expected &= torch.ones(L, L, dtype=torch.bool, device=cu.device).tril()
+    return bool((attention_mask == expected[:, None]).all())
+
+
+def _varlen_forward(query, key, value, cu, dropout, scaling, causal, sliding_window, variants):
+    """The packed batch through fusedmha.flash_attn_varlen_func: (B, L, H, D) back."""
+    B, H, L, D = query.shape
+    rows = lambda t: t.transpose(1, 2).reshape(B * L, t.shape[1], t.shape[3])  # noqa: E731
+    window = (-1, -1)
+    if causal and sliding_window is not None:
+        window = (sliding_window - 1, 0)  # (transformers' window counts the diagonal)
+    longest = int(cu.diff().max())
+    out = fusedmha.flash_attn_varlen_func(
+        rows(query), rows(key), rows(value), cu, cu, longest, longest, dropout_p=dropout,
+        softmax_scale=scaling, causal=causal, window_size=window, softcap=variants["softcap"],
+        sinks=variants["sinks"])
+    return out.view(B, L, H, value.shape[3])
 
 
 def register() -> None:
