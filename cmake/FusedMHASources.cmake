@@ -4,6 +4,7 @@ set(FUSEDMHA_SOURCES
   csrc/ops/registration.cpp
   csrc/ops/attention.cpp
   csrc/ops/merge_attention.cpp
+  csrc/ops/kvcache_attention.cpp
   csrc/ops/attention_checks.cpp
   csrc/ops/attention_shapes.cpp
   csrc/ops/attention_params_filler.cpp

@@ -140,6 +140,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward(
                  FUSEDMHA_VARIANT_ARGS(variants), seqused_k, grad_logsumexp);
 }
 
+std::tuple<at::Tensor, at::Tensor> attention_with_kvcache(const at::Tensor& q, at::Tensor& k_cache,
+                                                          at::Tensor& v_cache,
+                                                          const KVCacheStep& step,
+                                                          std::optional<double> scale,
+                                                          bool is_causal,
+                                                          const AttentionVariants& variants) {
+  using Signature = std::tuple<at::Tensor, at::Tensor>(
+      const at::Tensor&, at::Tensor&, at::Tensor&, const OptTensor&, const OptTensor&,
+      const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&,
+      const OptTensor&, std::optional<double>, bool, bool, int64_t, int64_t, double,
+      const OptTensor&, const OptTensor&);
+  static const auto op = find_op<Signature>("fusedmha::attention_with_kvcache");
+  return op.call(q, k_cache, v_cache, step.k, step.v, step.rotary_cos, step.rotary_sin,
+                 step.cache_seqlens, step.cache_batch_idx, step.cache_leftpad, step.block_table,
+                 scale, is_causal, step.rotary_interleaved, variants.window_left,
+                 variants.window_right, variants.softcap, variants.alibi_slopes, variants.sinks);
+}
+
 TORCH_LIBRARY_IMPL(fusedmha, CompositeImplicitAutograd, m) {
   m.impl("scaled_dot_product_attention", TORCH_FN(sdpa_composite));
 }

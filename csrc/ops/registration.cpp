@@ -59,6 +59,20 @@ TORCH_LIBRARY(fusedmha, m) {
       "int max_seqlen_q, int max_seqlen_k, float dropout_p, bool is_causal, float? scale, "
       VARIANTS ", Tensor? seqused_k=None, Tensor? grad_logsumexp=None"
       ") -> (Tensor grad_query, Tensor grad_key, Tensor grad_value)");
+  // One generation step against a KV cache (FlashAttention's
+  // flash_attn_with_kvcache, csrc/ops/kvcache_attention.cpp): k/v appended
+  // to k_cache/v_cache in place at cache_seqlens (rotary embedding applied
+  // to q and k first, when given), then q (B, L, H, E) attends over each
+  // sequence's cache, bottom-right aligned. Returns the output (B, L, H, Ev)
+  // and the log-sum-exp (B, H, L). Inference only.
+  m.def(
+      "attention_with_kvcache(Tensor query, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+      "Tensor? k=None, Tensor? v=None, Tensor? rotary_cos=None, Tensor? rotary_sin=None, "
+      "Tensor? cache_seqlens=None, Tensor? cache_batch_idx=None, Tensor? cache_leftpad=None, "
+      "Tensor? block_table=None, float? scale=None, bool is_causal=False, "
+      "bool rotary_interleaved=True, *, int window_left=-1, int window_right=-1, "
+      "float softcap=0.0, Tensor? alibi_slopes=None, Tensor? sinks=None"
+      ") -> (Tensor output, Tensor logsumexp)");
   // Private test hook, not API: the dropout keep-mask (outer, len_q,
   // len_kv) that a call with this rng_state and dropout_p applies (outer =
   // batch dims x heads), so tests can build the exact reference.

@@ -241,7 +241,8 @@ def flash_attn_with_kvcache(
     sinks: Optional[Tensor] = None,
 ):
     """flash_attn.flash_attn_with_kvcache, for inference: append the new keys and values to a
-    KV cache in place, then attend over the cache.
+    KV cache in place, then attend over the cache (the op ``torch.ops.fusedmha.
+    attention_with_kvcache``; C++: ``fusedmha::attention_with_kvcache``).
 
     q ``(B, L, H, E)``; ``k_cache``/``v_cache`` ``(B_cache, S_cache, H_kv, E)``; ``k``/``v``
     ``(B, L_new, H_kv, E)``, when given, are written into the cache in place at rows
@@ -268,123 +269,15 @@ def flash_attn_with_kvcache(
     ``(B, H, L)``.
     """
     del num_splits
-    paged = block_table is not None
-    if paged and (cache_batch_idx is not None or cache_leftpad is not None):
-        raise ValueError("fusedmha.flash_attn_with_kvcache: cache_batch_idx and cache_leftpad "
-                         "are not supported with block_table (a paged KV cache)")
-    if q.dim() != 4 or k_cache.dim() != 4 or v_cache.dim() != 4:
-        raise ValueError("fusedmha.flash_attn_with_kvcache: expected q (B, L, H, E) and "
-                         f"k_cache/v_cache (B_cache, S_cache, H_kv, E), got {tuple(q.shape)}, "
-                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    B, L = q.shape[:2]
-    page = k_cache.shape[1]
-    # The rows one sequence's cache holds.
-    S_cache = page * block_table.shape[1] if paged else page
-    device = q.device
-    with torch.no_grad():
-        seqlens = _per_sequence(cache_seqlens, B, S_cache if k is None else None, device,
-                                "cache_seqlens")
-        leftpad = _per_sequence(cache_leftpad, B, 0, device, "cache_leftpad")
-        new = 0 if k is None else k.shape[1]
-        if (k is None) != (v is None):
-            raise ValueError("fusedmha.flash_attn_with_kvcache: pass k and v together")
-        if bool((seqlens + new > S_cache).any()) or bool((leftpad > seqlens).any()):
-            raise ValueError(
-                f"fusedmha.flash_attn_with_kvcache: cache_seqlens + {new} new rows must fit the "
-                f"cache's {S_cache} rows, and cache_leftpad be at most cache_seqlens")
-        if rotary_cos is not None:
-            start = (seqlens - leftpad).long()
-            steps = torch.arange(max(L, new), device=device)
-            moving = causal or tuple(window_size) != (-1, -1)
-            q_positions = start[:, None] + (steps[:L] if moving else 0 * steps[:L])
-            q = _rotary(q, rotary_cos, rotary_sin, q_positions, rotary_interleaved)
-            if k is not None:
-                k = _rotary(k, rotary_cos, rotary_sin, start[:, None] + steps[:new],
-                            rotary_interleaved)
-        batch_idx = (torch.arange(B, device=device) if cache_batch_idx is None
-                     else cache_batch_idx.to(device=device, dtype=torch.long))
-        if k is not None:
-            rows = seqlens.long()[:, None] + torch.arange(new, device=device)
-            if paged:
-                pages = block_table.long().gather(1, rows // page)
-                k_cache[pages, rows % page] = k.to(k_cache.dtype)
-                v_cache[pages, rows % page] = v.to(v_cache.dtype)
-            else:
-                k_cache[batch_idx[:, None], rows] = k.to(k_cache.dtype)
-                v_cache[batch_idx[:, None], rows] = v.to(v_cache.dtype)
-        used = seqlens + new
-        variants = dict(window_left=int(window_size[0]), window_right=int(window_size[1]),
-                        bottom_right=True, softcap=float(softcap), alibi_slopes=alibi_slopes,
-                        sinks=sinks)
-        if cache_batch_idx is not None and not bool(leftpad.any()):
-            # Each selected cache is one page: read in place through a block table.
-            paged, block_table = True, batch_idx.to(torch.int32).view(B, 1)
-        if paged:
-            lengths = torch.nn.functional.pad(used.cumsum(0), (1, 0)).to(torch.int32)
-            out, lse, _ = torch.ops.fusedmha.varlen_attention_forward(
-                q.reshape(B * L, *q.shape[2:]), k_cache, v_cache,
-                torch.arange(B + 1, device=device, dtype=torch.int32) * L, lengths, L, S_cache,
-                0.0, causal, softmax_scale, **variants, block_table=block_table)
-            out = out.view(B, L, *out.shape[1:])
-            return (out, lse.view(lse.shape[0], B, L).transpose(0, 1)) if return_softmax_lse else out
-        k_seq, v_seq = k_cache[:B], v_cache[:B]  # (views)
-        if cache_batch_idx is not None:
-            # (with left padding: the selected caches copied into one batch)
-            k_seq, v_seq = k_cache.index_select(0, batch_idx), v_cache.index_select(0, batch_idx)
-        if q.is_cpu and not bool(leftpad.any()) and bool((used == used[0]).all()):
-            # One length for the whole batch: the dense kernels over a view of the cache
-            # (decoding then reads each K/V head once for all the query heads it serves).
-            n = int(used[0])
-            qh = q.transpose(1, 2)
-            kh, vh = k_seq[:, :n].transpose(1, 2), v_seq[:, :n].transpose(1, 2)
-            out, lse, _ = torch.ops.fusedmha.attention_forward(
-                qh, kh, vh, None, 0.0, causal, softmax_scale, qh.shape[1] != kh.shape[1],
-                **variants)
-            out = out.transpose(1, 2)
-        else:
-            # Sequences of their own lengths: the cache as a packed batch, each sequence's
-            # keys from its left padding, seqused_k of them.
-            S = k_seq.shape[1]
-            starts = torch.arange(B + 1, device=device, dtype=torch.int32) * S
-            starts[:B] += leftpad
-            out, lse, _ = torch.ops.fusedmha.varlen_attention_forward(
-                q.reshape(B * L, *q.shape[2:]), k_seq.reshape(B * S, *k_seq.shape[2:]),
-                v_seq.reshape(B * S, *v_seq.shape[2:]),
-                torch.arange(B + 1, device=device, dtype=torch.int32) * L, starts, L, S, 0.0,
-                causal, softmax_scale, **variants, seqused_k=(used - leftpad).to(torch.int32))
-            out = out.view(B, L, *out.shape[1:])
-            lse = lse.view(lse.shape[0], B, L).transpose(0, 1)
+    if isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32,
+                                   device=q.device)
+    out, lse = torch.ops.fusedmha.attention_with_kvcache(
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+        cache_leftpad, block_table, softmax_scale, causal, rotary_interleaved,
+        window_left=int(window_size[0]), window_right=int(window_size[1]),
+        softcap=float(softcap), alibi_slopes=alibi_slopes, sinks=sinks)
     return (out, lse) if return_softmax_lse else out
-
-
-def _per_sequence(value, batch, default, device, name):
-    """An int, an int32 (B) tensor or None (default) as an int32 (B) tensor."""
-    if value is None:
-        if default is None:
-            raise ValueError(f"fusedmha.flash_attn_with_kvcache: {name} is needed to append k/v")
-        value = default
-    if isinstance(value, int):
-        return torch.full((batch,), value, dtype=torch.int32, device=device)
-    if value.shape != (batch,):
-        raise ValueError(f"fusedmha.flash_attn_with_kvcache: expected {name} of shape ({batch},), "
-                         f"got {tuple(value.shape)}")
-    return value.to(device=device, dtype=torch.int32)
-
-
-def _rotary(x, cos, sin, positions, interleaved):
-    """Rotary embedding of the first 2·cos.shape[1] dims of x (B, L, H, E) at positions (B, L)."""
-    half = cos.shape[1]
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    c = cos[positions].unsqueeze(2).to(acc)  # (B, L, 1, R/2)
-    s = sin[positions].unsqueeze(2).to(acc)
-    head = x[..., : 2 * half].to(acc)
-    if interleaved:
-        x1, x2 = head[..., 0::2], head[..., 1::2]
-        rotated = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
-    else:
-        x1, x2 = head[..., :half], head[..., half:]
-        rotated = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
-    return torch.cat((rotated.to(x.dtype), x[..., 2 * half:]), dim=-1)
 
 
 def merge_attention(outputs, lses) -> Tuple[Tensor, Tensor]:

@@ -51,9 +51,51 @@ def scaled_dot_product_attention(
     value and sinks. A query row whose keys are all masked gets 0 (as in PyTorch 2.15), never
     NaN. Differences from PyTorch: ``scale`` must be finite and >= 0; a NaN or +inf score makes
     its row NaN; a float mask that requires grad is refused.
+
+    Jagged nested tensors (``torch.nested.nested_tensor(..., layout=torch.jagged)`` of shape
+    ``(B, j, H, E)``, passed transposed as ``(B, H, j, E)``, as PyTorch's SDPA takes them) run
+    the packed-sequence kernels: every sequence attended to on its own, no work on padding,
+    forward and backward; ``attn_mask`` is not supported with them (as in PyTorch).
     """
+    variants = dict(window_left=window_left, window_right=window_right,
+                    bottom_right=bottom_right, softcap=softcap, alibi_slopes=alibi_slopes,
+                    sinks=sinks)
+    if query.is_nested or key.is_nested or value.is_nested:
+        return _nested_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                 enable_gqa, variants)
     return torch.ops.fusedmha.scaled_dot_product_attention(
         query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa,
         window_left=window_left, window_right=window_right, bottom_right=bottom_right,
         softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
     )
+
+
+def _nested_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                      variants):
+    """Jagged nested (B, H, j, E) query/key/value through the varlen op: their values are the
+    packed (total, H, E) rows and their offsets the cumulative lengths."""
+    name = "fusedmha.scaled_dot_product_attention"
+    if not (query.is_nested and key.is_nested and value.is_nested):
+        raise ValueError(f"{name}: query, key and value must all be nested tensors, or none")
+    if any(t.layout != torch.jagged for t in (query, key, value)):
+        raise ValueError(f"{name}: nested tensors must have the jagged layout "
+                         "(torch.nested.nested_tensor(..., layout=torch.jagged))")
+    if attn_mask is not None:
+        raise ValueError(f"{name}: attn_mask is not supported with nested tensors")
+    if query.dim() != 4 or query._ragged_idx != 2 or key._ragged_idx != 2:
+        raise ValueError(f"{name}: expected nested query/key/value of shape (B, H, j, E): the "
+                         "(B, j, H, E) jagged tensors transposed, as PyTorch's SDPA takes them")
+    if not enable_gqa and query.shape[1] != key.shape[1]:
+        raise ValueError(f"{name}: query has {query.shape[1]} heads and key {key.shape[1]}; "
+                         "pass enable_gqa=True for grouped-query attention")
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, j, H, E), ragged dim 1
+    cu_q, cu_k = q.offsets().to(torch.int32), k.offsets().to(torch.int32)
+    if not torch.equal(k.offsets(), v.offsets()):
+        raise ValueError(f"{name}: key and value must have the same sequence lengths")
+    max_q = int(cu_q.diff().max()) if cu_q.numel() > 1 else 0
+    max_k = int(cu_k.diff().max()) if cu_k.numel() > 1 else 0
+    out, _, _ = torch.ops.fusedmha.varlen_attention_forward(
+        q.values(), k.values(), v.values(), cu_q, cu_k, max_q, max_k, dropout_p, is_causal,
+        scale, **variants)
+    nested = torch.nested.nested_tensor_from_jagged(out, q.offsets())
+    return nested.transpose(1, 2)

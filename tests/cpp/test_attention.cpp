@@ -410,3 +410,37 @@ TEST(Attention, VarlenFromCpp) {
     EXPECT_TRUE(torch::allclose(got[n], want[n], 1e-11, 1e-11)) << "gradient " << n;
   }
 }
+
+// A generation step through the C++ KV-cache front door: the new rows land in
+// the cache in place, and the output equals attention over the whole
+// sequences (decode with grouped-query heads, two cache lengths).
+TEST(Attention, KVCacheFromCpp) {
+  torch::manual_seed(0);
+  const int64_t B = 2, S_cache = 32, H = 4, H_kv = 2, E = 8;
+  const auto opts = torch::TensorOptions().dtype(torch::kDouble);
+  auto k_cache = torch::randn({B, S_cache, H_kv, E}, opts);
+  auto v_cache = torch::randn({B, S_cache, H_kv, E}, opts);
+  const auto before_k = k_cache.clone(), before_v = v_cache.clone();
+  const auto q = torch::randn({B, 1, H, E}, opts);
+  const auto k = torch::randn({B, 1, H_kv, E}, opts), v = torch::randn({B, 1, H_kv, E}, opts);
+  fusedmha::KVCacheStep step;
+  step.k = k;
+  step.v = v;
+  step.cache_seqlens = torch::tensor({5, 20}, torch::kInt);
+  const auto [out, lse] =
+      fusedmha::attention_with_kvcache(q, k_cache, v_cache, step, std::nullopt, /*is_causal=*/true);
+  ASSERT_EQ(out.sizes(), q.sizes());
+  ASSERT_EQ(lse.sizes(), (std::vector<int64_t>{B, H, 1}));
+  const std::vector<int64_t> lengths{5, 20};
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = lengths[b];
+    EXPECT_TRUE(torch::equal(k_cache[b][n], k[b][0]));
+    EXPECT_TRUE(torch::equal(v_cache[b].narrow(0, 0, n), before_v[b].narrow(0, 0, n)));
+    const auto keys = torch::cat({before_k[b].narrow(0, 0, n), k[b]}).transpose(0, 1);
+    const auto values = torch::cat({before_v[b].narrow(0, 0, n), v[b]}).transpose(0, 1);
+    const auto want = std::get<0>(fusedmha::attention_forward(q[b].transpose(0, 1), keys, values,
+                                                               std::nullopt, 0.0, false,
+                                                               std::nullopt, true));
+    EXPECT_TRUE(torch::allclose(out[b], want.transpose(0, 1), 1e-12, 1e-12)) << "sequence " << b;
+  }
+}

@@ -141,15 +141,17 @@ def test_decode_steps_equal_attention_over_the_whole_sequence():
     (dict(cache_seqlens=39), "must fit"),
     (dict(k=None), "k and v together"),
     (dict(cache_seqlens=None), "cache_seqlens is needed"),
-    (dict(cache_seqlens=torch.tensor([1, 2], dtype=torch.int32)), r"shape \(1,\)"),
+    (dict(cache_seqlens=torch.tensor([1, 2], dtype=torch.int32)), r"shape \(B\) = \(1\)"),
+    (dict(rotary_cos=torch.ones(8, 4)), "rotary_cos and rotary_sin together"),
 ])
 def test_bad_inputs_get_clear_errors(call, message):
     args = dict(q=torch.randn(1, 1, H, E), k_cache=torch.zeros(1, 40, H_KV, E),
                 v_cache=torch.zeros(1, 40, H_KV, E), k=torch.randn(1, 2, H_KV, E),
                 v=torch.randn(1, 2, H_KV, E), cache_seqlens=3)
     args.update(call)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(RuntimeError, match=message) as info:
         fusedmha.flash_attn_with_kvcache(**args)
+    assert "fusedmha.attention_with_kvcache" in str(info.value)
 
 
 @pytest.mark.parametrize("new", [1, 2])

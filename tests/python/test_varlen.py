@@ -275,3 +275,37 @@ def test_a_block_table_out_of_range_is_refused():
     with pytest.raises(RuntimeError, match=r"page indices in \[0, 2\)"):
         fusedmha.flash_attn_varlen_func(q, pages, pages, cu_q, cu_k, 3, 4,
                                         block_table=torch.tensor([[2]], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_nested_tensors_run_the_varlen_kernels(causal):
+    """A jagged NestedTensor (B, j, H, E), transposed as PyTorch's SDPA takes it, through
+    fusedmha.scaled_dot_product_attention: each sequence as PyTorch attends to it alone,
+    forward and gradients."""
+    F = torch.nn.functional
+    lens_q, lens_k = [3, 9, 5], [3, 9, 5] if causal else [4, 2, 8]
+    parts = [[torch.randn(n, H, E, dtype=torch.float64) for n in lens] for lens in
+             (lens_q, lens_k, lens_k)]
+    nested = [torch.nested.nested_tensor(p, layout=torch.jagged, requires_grad=True)
+              for p in parts]
+    out = fusedmha.scaled_dot_product_attention(*(t.transpose(1, 2) for t in nested),
+                                                is_causal=causal)
+    assert out.is_nested and out.shape[:2] == (3, H)
+    leaves = [[t.detach().requires_grad_() for t in p] for p in parts]
+    refs = [F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
+                                           v.transpose(0, 1), is_causal=causal).transpose(0, 1)
+            for q, k, v in zip(*leaves)]
+    for got, want in zip(out.transpose(1, 2).unbind(), refs):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    grads = [torch.randn_like(r) for r in refs]
+    torch.autograd.backward(refs, grads)
+    out.transpose(1, 2).values().backward(torch.cat(grads))
+    for t, parts_of in zip(nested, leaves):
+        for got, leaf in zip(t.grad.unbind(), parts_of):
+            torch.testing.assert_close(got, leaf.grad, atol=1e-11, rtol=1e-11)
+
+
+def test_nested_tensors_refuse_a_mask():
+    q = torch.nested.nested_tensor([torch.randn(3, H, E)], layout=torch.jagged).transpose(1, 2)
+    with pytest.raises(ValueError, match="attn_mask is not supported with nested tensors"):
+        fusedmha.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(3, 3, dtype=torch.bool))

@@ -166,6 +166,38 @@ FUSEDMHA_API std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bac
     const std::optional<at::Tensor>& seqused_k = std::nullopt,
     const std::optional<at::Tensor>& grad_logsumexp = std::nullopt);
 
+// What one generation step adds to a KV cache (attention_with_kvcache), all
+// optional: the new keys and values k/v (B, L_new, H_kv, E), appended in
+// place at rows cache_seqlens[b] (int32 (B); default: the cache is full and
+// nothing is appended) of cache cache_batch_idx[b] (default b); rotary
+// embedding tables rotary_cos/rotary_sin (S_rotary, R / 2) applied to q and
+// the new k at their positions, counted from cache_leftpad[b] (the rows
+// before it are skipped), as adjacent pairs (rotary_interleaved) or halves;
+// block_table (int32 (B, pages per sequence)) for a paged cache (num_pages,
+// page_size, H_kv, E).
+struct KVCacheStep {
+  std::optional<at::Tensor> k, v;
+  std::optional<at::Tensor> rotary_cos, rotary_sin;
+  bool rotary_interleaved = true;
+  std::optional<at::Tensor> cache_seqlens, cache_batch_idx, cache_leftpad, block_table;
+};
+
+// One generation step against a KV cache (fusedmha::attention_with_kvcache,
+// FlashAttention's flash_attn_with_kvcache): step's k/v are appended to
+// k_cache/v_cache in place, then q (B, L, H, E) attends over each sequence's
+// cache; is_causal and the variants' window are aligned bottom-right (the new
+// queries are the last positions; variants.bottom_right is not read).
+// Returns the output (B, L, H, Ev) and the log-sum-exp (B, H, L). Inference
+// only (no gradients).
+FUSEDMHA_API std::tuple<at::Tensor, at::Tensor> attention_with_kvcache(
+    const at::Tensor& q,
+    at::Tensor& k_cache,
+    at::Tensor& v_cache,
+    const KVCacheStep& step = {},
+    std::optional<double> scale = std::nullopt,
+    bool is_causal = false,
+    const AttentionVariants& variants = {});
+
 // Partial attention results over disjoint sets of keys, combined into the
 // result over all of them by their log-sum-exp (fusedmha::merge_attention):
 // outputs (B, L, H, E) and lses (B, H, L), as flash_attn_func returns them
