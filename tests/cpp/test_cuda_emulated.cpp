@@ -5,7 +5,8 @@
 // kernels, across lengths that are not multiples of the tiles, causal
 // masking with L != S, bool/float masks with broadcasting, GQA, strided
 // rows, dropout (the common/philox.h stream), rows with nothing to see, and
-// the variants: bottom-right causal, sliding windows, softcap, ALiBi, sinks.
+// the variants: bottom-right causal, sliding windows, softcap, ALiBi, sinks;
+// and packed sequences (varlen) and paged caches, sequence by sequence.
 //
 // Built without torch (plain C++ and the CUDA headers), so it is quick to
 // compile, and it runs wherever the CUDA toolkit is installed, GPU or not.
@@ -475,6 +476,219 @@ std::vector<Case> cases() {
   c = base; c.L = 65; c.S = 200; c.E = c.Ev = 128; c.window_left = 40; c.window_right = 3;
   c.softcap = 8.0; c.alibi = true; c.sinks = true; all.push_back(c);
   return all;
+}
+
+// Packed sequences (FlashAttention's varlen layout) and a paged cache, read
+// through the params' Sequences and Pages: every sequence against the
+// float64 reference of that sequence alone.
+struct Packed {
+  std::vector<int> lens_q, lens_k;
+  int H = 4, Hkv = 2, E = 64;
+  bool causal = true;
+};
+
+template <typename T>
+void run_packed(const Packed& pk, Kernels kernels, int page) {
+  SCOPED_TRACE(std::string(kernels == Kernels::TensorCores ? "[tensor cores]" : "[simple]") +
+               (page ? " paged" : "") + (pk.causal ? " causal" : ""));
+  using A = typename simple::AccOf<T>::type;
+  const int B = int(pk.lens_q.size()), H = pk.H, Hkv = pk.Hkv, E = pk.E;
+  std::vector<int32_t> cu_q{0}, cu_k{0};
+  for (int b = 0; b < B; ++b) {
+    cu_q.push_back(cu_q.back() + pk.lens_q[b]);
+    cu_k.push_back(cu_k.back() + pk.lens_k[b]);
+  }
+  const int total_q = cu_q.back(), total_k = cu_k.back();
+  const int max_q = *std::max_element(pk.lens_q.begin(), pk.lens_q.end());
+  const int max_k = *std::max_element(pk.lens_k.begin(), pk.lens_k.end());
+  std::mt19937 rng(11);
+  std::normal_distribution<double> n01(0.0, 1.0);
+  auto randoms = [&](size_t count) {
+    std::vector<T> x(count);
+    for (auto& e : x) e = from_double<T>(n01(rng));
+    return x;
+  };
+  // (rows, heads, E) arrays, rows one after another.
+  std::vector<T> q = randoms(size_t(total_q) * H * E), k = randoms(size_t(total_k) * Hkv * E),
+                 v = randoms(size_t(total_k) * Hkv * E), dout = randoms(size_t(total_q) * H * E);
+  auto rows_matrix = [&](void* data, int heads, int divisor) {
+    Matrix m;
+    m.data = data;
+    m.outer_stride[1] = E;  // (the sequence dim: its rows are found through cu_q / cu_k)
+    m.divisor[1] = divisor;
+    m.row_stride = int64_t(heads) * E;
+    return m;
+  };
+  AttentionParams p;
+  p.dtype = dtype_of<T>();
+  p.outer.dims = 2;
+  p.outer.size[0] = B;
+  p.outer.size[1] = H;
+  p.num_outer = int64_t(B) * H;
+  p.len_q = max_q;
+  p.len_kv = max_k;
+  p.dim_qk = p.dim_v = E;
+  p.q = rows_matrix(q.data(), H, 1);
+  p.k = rows_matrix(k.data(), Hkv, H / Hkv);
+  p.v = rows_matrix(v.data(), Hkv, H / Hkv);
+  p.seq.cu_q = cu_q.data();
+  p.seq.cu_k = cu_k.data();
+  p.seq.heads = H;
+  p.scale = 1.0 / std::sqrt(double(E));
+  p.bottom_right = true;
+  p.window_right = pk.causal ? 0 : -1;
+  // A paged copy of K/V: each sequence's keys in pages of `page` rows, the
+  // pages in reverse order, so that nothing is where the packed rows were.
+  const int per_sequence = (max_k + std::max(page, 1) - 1) / std::max(page, 1);
+  std::vector<T> k_pages, v_pages;
+  std::vector<int32_t> table;
+  if (page) {
+    const int pages = B * per_sequence;
+    k_pages.assign(size_t(pages) * page * Hkv * E, from_double<T>(1e4));
+    v_pages = k_pages;
+    for (int b = 0; b < B; ++b) {
+      for (int t = 0; t < per_sequence; ++t) table.push_back(pages - 1 - (b * per_sequence + t));
+      for (int j = 0; j < pk.lens_k[b]; ++j) {
+        const size_t dst = (size_t(table[b * per_sequence + j / page]) * page + j % page) * Hkv * E;
+        const size_t src = size_t(cu_k[b] + j) * Hkv * E;
+        std::copy_n(k.begin() + src, Hkv * E, k_pages.begin() + dst);
+        std::copy_n(v.begin() + src, Hkv * E, v_pages.begin() + dst);
+      }
+    }
+    p.k.data = k_pages.data();
+    p.v.data = v_pages.data();
+    p.pages.table = table.data();
+    p.pages.table_stride = per_sequence;
+    p.pages.size = page;
+    p.pages.page_stride_k = p.pages.page_stride_v = int64_t(page) * Hkv * E;
+  }
+  std::vector<T> out(size_t(total_q) * H * E, from_double<T>(-7));
+  std::vector<A> lse(size_t(H) * total_q, A(-7));
+  p.out = rows_matrix(out.data(), H, 1);
+  p.lse.data = lse.data();  // (H, total_q)
+  p.lse.outer_stride[1] = total_q;
+  p.lse.row_stride = 1;
+  int64_t rng_state[2];
+  p.dropout.state_out = rng_state;
+
+  const size_t w = simple::kWarpsPerBlock;
+  if (kernels == Kernels::TensorCores) {
+    const unsigned blocks = unsigned((max_q + flash_fwd::kBlockQ - 1) / flash_fwd::kBlockQ * p.num_outer);
+    emulation::launch(blocks, flash_fwd::kThreads, flash_fwd::smem_bytes(64), [&] {
+      if constexpr (std::is_same_v<T, __half>) flash_fwd::kernel<T, 64>(p);
+    });
+  } else {
+    emulation::launch(unsigned((p.num_outer * max_q + w - 1) / w), w * 32, size_t(2 * E) * sizeof(A) * w,
+                      [&] { simple::forward_kernel<T, A>(p); });
+  }
+
+  // The backward (not for pages: a paged cache is forward only).
+  std::vector<A> delta(size_t(H) * total_q), grad_q(size_t(total_q) * H * E, A(0)),
+      grad_k(size_t(total_k) * H * E, A(0)), grad_v(size_t(total_k) * H * E, A(0));
+  if (!page) {
+    for (int r = 0; r < total_q; ++r)
+      for (int h = 0; h < H; ++h) {
+        double d = 0;
+        for (int e = 0; e < E; ++e) {
+          const size_t n = (size_t(r) * H + h) * E + e;
+          d += to_double(out[n]) * to_double(dout[n]);
+        }
+        delta[size_t(h) * total_q + r] = A(d);
+      }
+    BackwardParams bp;
+    bp.fwd = p;
+    bp.fwd.dropout.state_out = nullptr;
+    bp.grad_out = rows_matrix(dout.data(), H, 1);
+    bp.delta = p.lse;
+    bp.delta.data = delta.data();
+    bp.grad_q = rows_matrix(grad_q.data(), H, 1);
+    bp.grad_k = rows_matrix(grad_k.data(), H, 1);
+    bp.grad_v = rows_matrix(grad_v.data(), H, 1);
+    if (kernels == Kernels::TensorCores) {
+      const unsigned blocks = unsigned((max_k + flash_bwd::kBlockKV - 1) / flash_bwd::kBlockKV * p.num_outer);
+      emulation::launch(blocks, flash_bwd::kThreads, flash_bwd::smem_bytes(64), [&] {
+        if constexpr (std::is_same_v<T, __half>) flash_bwd::kernel<T, 64>(bp);
+      });
+    } else {
+      emulation::launch(unsigned((p.num_outer * max_q + w - 1) / w), w * 32,
+                        size_t(3 * E) * sizeof(A) * w, [&] { simple::backward_dq_kernel<T, A>(bp); });
+      emulation::launch(unsigned((p.num_outer * max_k + w - 1) / w), w * 32,
+                        size_t(4 * E) * sizeof(A) * w, [&] { simple::backward_dkdv_kernel<T, A>(bp); });
+    }
+  }
+
+  // Each sequence alone through the float64 reference.
+  const double tol = tolerance_for(p.dtype);
+  const double gtol = kernels == Kernels::TensorCores ? 3 * tol : tol;
+  for (int b = 0; b < B; ++b) {
+    SCOPED_TRACE("sequence " + std::to_string(b));
+    Problem pr;
+    pr.c.B = 1;
+    pr.c.H = H;
+    pr.c.Hkv = Hkv;
+    pr.c.L = pk.lens_q[b];
+    pr.c.S = pk.lens_k[b];
+    pr.c.E = pr.c.Ev = E;
+    pr.c.causal = pk.causal;
+    pr.c.bottom_right = true;
+    pr.scale = p.scale;
+    // (B = 1, heads, rows, E) copies of the sequence's rows.
+    auto gather = [&](const std::vector<T>& src, int heads, int first, int rows) {
+      std::vector<double> dst;
+      for (int h = 0; h < heads; ++h)
+        for (int r = 0; r < rows; ++r)
+          for (int e = 0; e < E; ++e) dst.push_back(to_double(src[(size_t(first + r) * heads + h) * E + e]));
+      return dst;
+    };
+    pr.q = gather(q, H, cu_q[b], pr.c.L);
+    pr.k = gather(k, Hkv, cu_k[b], pr.c.S);
+    pr.v = gather(v, Hkv, cu_k[b], pr.c.S);
+    pr.dout = gather(dout, H, cu_q[b], pr.c.L);
+    const Reference ref = reference(pr);
+    const int L = pr.c.L, S = pr.c.S;
+    EXPECT_LE(max_error(ref.out, [&](size_t n) {
+                const int h = int(n / (size_t(L) * E)), i = int(n / E % L), e = int(n % E);
+                return to_double(out[(size_t(cu_q[b] + i) * H + h) * E + e]);
+              }), tol) << "output";
+    for (int h = 0; h < H; ++h)
+      for (int i = 0; i < L; ++i) {
+        const double want = ref.lse[size_t(h) * L + i], got = lse[size_t(h) * total_q + cu_q[b] + i];
+        if (std::isinf(want)) EXPECT_TRUE(std::isinf(got) && got > 0);
+        else EXPECT_NEAR(got, want, 1e-4 * std::max(1.0, std::abs(want)));
+      }
+    if (page) continue;
+    EXPECT_LE(max_error(ref.dq, [&](size_t n) {
+                const int h = int(n / (size_t(L) * E)), i = int(n / E % L), e = int(n % E);
+                return double(grad_q[(size_t(cu_q[b] + i) * H + h) * E + e]);
+              }), gtol) << "grad_q";
+    // (Per output head, as the kernels write them.)
+    EXPECT_LE(max_error(ref.dk, [&](size_t n) {
+                const int h = int(n / (size_t(S) * E)), j = int(n / E % S), e = int(n % E);
+                return double(grad_k[(size_t(cu_k[b] + j) * H + h) * E + e]);
+              }), gtol) << "grad_k";
+    EXPECT_LE(max_error(ref.dv, [&](size_t n) {
+                const int h = int(n / (size_t(S) * E)), j = int(n / E % S), e = int(n % E);
+                return double(grad_v[(size_t(cu_k[b] + j) * H + h) * E + e]);
+              }), gtol) << "grad_v";
+  }
+}
+
+TEST(CudaEmulated, PackedSequences) {
+  Packed pk;
+  pk.lens_q = {37, 0, 70, 1};
+  pk.lens_k = {50, 3, 70, 130};
+  run_packed<__half>(pk, Kernels::TensorCores, 0);
+  run_packed<float>(pk, Kernels::Simple, 0);
+  pk.causal = false;
+  run_packed<float>(pk, Kernels::Simple, 0);
+  run_packed<__half>(pk, Kernels::TensorCores, 0);
+}
+
+TEST(CudaEmulated, PagedCache) {
+  Packed pk;
+  pk.lens_q = {3, 1, 7};
+  pk.lens_k = {50, 17, 130};
+  for (const int page : {16, 48}) run_packed<float>(pk, Kernels::Simple, page);
 }
 
 TEST(CudaEmulated, TensorCoreKernelsHalf) {
