@@ -9,6 +9,7 @@
 #include "ops/attention_shapes.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/ops/empty.h>
 #include <ATen/core/DistributionsHelper.h>
 #include <torch/library.h>
 
@@ -39,10 +40,22 @@ void run_forward(AttentionParams p, double dropout_p, const at::Tensor& rng_stat
   rng_state[0] = static_cast<int64_t>(p.dropout.seed);
   rng_state[1] = static_cast<int64_t>(p.dropout.offset);
   const IsaKernels kernels = selected_kernels();
-  const WorkSplit split = kernels.forward_configure(p, available_threads());
+  WorkSplit split = kernels.forward_configure(p, available_threads());
+  at::Tensor partials;
+  if (split.partial_bytes > 0) {
+    partials = at::empty({static_cast<int64_t>(split.partial_bytes)}, at::kByte);
+    split.partials = partials.mutable_data_ptr();
+  }
   run_items_in_parallel(split.items, split.workspace_bytes, [&](int64_t item, void* workspace) {
     kernels.forward_item(p, split, item, workspace);
   });
+  if (split.kv_splits > 1) {
+    // Decoding with the keys split across threads: merge each group's parts.
+    run_items_in_parallel(p.num_outer / split.heads, split.workspace_bytes,
+                          [&](int64_t group, void* workspace) {
+                            kernels.forward_combine(p, split, group, workspace);
+                          });
+  }
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cpu(

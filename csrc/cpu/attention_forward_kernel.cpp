@@ -26,6 +26,18 @@ constexpr int64_t kMaxBlockQ = 128;
 constexpr int64_t kBlockKV = 64;
 // Query blocks of at most this many rows (decoding) take few_row_scores.
 constexpr int64_t kFewRows = 8;
+// Decoding splits the keys into chunks of at least this many blocks.
+constexpr int64_t kMinChunkBlocks = 4;
+
+// The running softmax state of a block of query rows: max, sum, the
+// current step's rescale factor, and the unnormalised output.
+template <typename acc_t>
+struct RowState {
+  acc_t* m;
+  acc_t* l;
+  acc_t* alpha;
+  acc_t* o;
+};
 
 // Scratch of one thread.
 template <typename acc_t>
@@ -41,6 +53,9 @@ struct ForwardWorkspace {
   acc_t* m;      // bq          running max
   acc_t* l;      // bq          running sum
   acc_t* alpha;  // bq          rescale factor of the current step
+  // Decoding: per head of the item, its query rows and state:
+  // heads × (kFewRows × dqk rows of Q, then m, l, alpha (bq each), o (kFewRows × dv)).
+  acc_t* heads_state;
   int64_t dv;
 
   ForwardWorkspace(const AttentionParams& p, const WorkSplit& split, Arena<acc_t>& arena) {
@@ -58,7 +73,14 @@ struct ForwardWorkspace {
     m = arena.take(bq);
     l = arena.take(bq);
     alpha = arena.take(bq);
+    heads_state = split.decode ? arena.take(split.heads * head_floats(p, bq)) : nullptr;
   }
+
+  // The size of one head's decoding state (a multiple of a cache line).
+  int64_t head_floats(const AttentionParams& p, int64_t bq) const {
+    return round_up(kFewRows * p.dim_qk + 3 * bq + kFewRows * dv, 64);
+  }
+  RowState<acc_t> state() const { return {m, l, alpha, o}; }
 };
 
 template <typename scalar_t, typename acc_t>
@@ -72,6 +94,7 @@ class ForwardKernel {
       : p_(p), split_(split), tiles_(p_), ws_(p, split, arena) {}
 
   void run(int64_t item) {
+    if (split_.decode) return run_decode(item);
     // Items cover the longest sequence; a shorter one's extra items do nothing.
     const int64_t nqb = div_up(p_.len_q, split_.block_q);
     const int64_t o = item / nqb;
@@ -88,12 +111,8 @@ class ForwardKernel {
       tiles_.pack_transposed(p_.q, o, q0, rows, bq, p_.dim_qk, static_cast<acc_t>(p_.scale),
                              ws_.qt);
     }
-    std::fill(ws_.o, ws_.o + rows * ws_.dv, acc_t(0));
-    // A sink is a key of score `sink` and no value: the running max and sum
-    // start from it.
-    const bool sink = has_sinks(p_);
-    std::fill(ws_.m, ws_.m + bq, sink ? static_cast<acc_t>(sink_logit(p_, o)) : neg_inf<acc_t>());
-    std::fill(ws_.l, ws_.l + bq, acc_t(sink ? 1 : 0));
+    const RowState<acc_t> st = ws_.state();
+    start_rows(o, rows, bq, /*with_sink=*/true, st);
 
     // Only the keys the block's band can see (causal, sliding window): the
     // rest are skipped, not computed and masked.
@@ -117,8 +136,8 @@ class ForwardKernel {
         tiles_.scores(k, ldk, cols, ws_.qt, bq, ws_.st);
       }
       tiles_.transform_scores(o, q0, rows, bq, k0, cols, ws_.st, ws_.mt);
-      softmax_step(bq, cols);
-      rescale_output(rows);
+      softmax_step(bq, cols, st);
+      rescale_output(rows, st);
       if (p_.dropout.on()) {
         // The running sum normalises with every probability; the output
         // accumulates only the kept ones, scaled by 1/(1 - p).
@@ -128,9 +147,141 @@ class ForwardKernel {
       const acc_t* v = tiles_.key_rows_of(Tiles::KeySide::V, o, k0, cols, p_.dim_v, true, ws_.v,
                                                  &ldv);
       gemm<acc_t, /*kRowsOfA=*/false, /*kAccumulate=*/true>(
-          rows, ws_.dv, cols, ws_.st, bq, [&](int64_t e) { return v + e; }, ldv, ws_.o, ws_.dv);
+          rows, ws_.dv, cols, ws_.st, bq, [&](int64_t e) { return v + e; }, ldv, st.o, ws_.dv);
     }
-    write_output(o, q0, rows);
+    write_output(o, q0, rows, st);
+  }
+
+  // Decoding: one item = split_.heads outer indices (the heads of a batch
+  // index, or of a sequence) over one chunk of the keys. Each key block is
+  // read for every head before the next block: in a KV cache's (B, S,
+  // H_kv, E) layout a key's heads are adjacent, so whole rows stream in, not
+  // one head's slice of every row. With split keys the item leaves its
+  // partial state for combine().
+  void run_decode(int64_t item) {
+    const int64_t g = item / split_.kv_splits, chunk = item % split_.kv_splits;
+    const int64_t heads = split_.heads, o0 = g * heads;
+    p_ = sequence_of(p_, o0);  // (a group's heads share their sequence)
+    const int64_t rows = p_.len_q, bq = round_up(std::max<int64_t>(rows, 1), nr);
+    // The chunk's keys within what any head of the group can see.
+    int64_t kv_begin = p_.len_kv, kv_end = 0;
+    for (int64_t h = 0; h < heads; ++h) {
+      const auto [b, e] = tiles_.key_range(o0 + h, 0, rows);
+      if (b < e) kv_begin = std::min(kv_begin, b), kv_end = std::max(kv_end, e);
+    }
+    const int64_t chunk_len = chunk_length(p_.len_kv);
+    kv_begin = std::max(kv_begin, chunk * chunk_len);
+    kv_end = std::min(kv_end, (chunk + 1) * chunk_len);
+    if (p_.pages.table) kv_begin = kv_begin / split_.block_kv * split_.block_kv;
+    for (int64_t h = 0; h < heads; ++h) {
+      const RowState<acc_t> st = head_state(h, bq);
+      if (rows > 0) {
+        tiles_.pack_rows(p_.q, o0 + h, 0, rows, p_.dim_qk, static_cast<acc_t>(p_.scale),
+                         head_rows(h, bq));
+      }
+      start_rows(o0 + h, rows, bq, /*with_sink=*/chunk == 0, st);  // (one chunk has the sink)
+    }
+    for (int64_t k0 = kv_begin; rows > 0 && k0 < kv_end; k0 += split_.block_kv) {
+      const int64_t cols = std::min(split_.block_kv, kv_end - k0);
+      for (int64_t h = 0; h < heads && k0 + cols < kv_end; ++h) {
+        const int64_t next = std::min(split_.block_kv, kv_end - k0 - cols);
+        tiles_.prefetch_key_rows(Tiles::KeySide::K, o0 + h, k0 + cols, next, p_.dim_qk);
+        tiles_.prefetch_key_rows(Tiles::KeySide::V, o0 + h, k0 + cols, next, p_.dim_v);
+      }
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t o = o0 + h;
+        const RowState<acc_t> st = head_state(h, bq);
+        int64_t ldk, ldv;
+        const acc_t* k =
+            tiles_.key_rows_of(Tiles::KeySide::K, o, k0, cols, p_.dim_qk, false, ws_.k, &ldk);
+        tiles_.few_row_scores(k, ldk, cols, head_rows(h, bq), rows, bq, ws_.st);
+        tiles_.transform_scores(o, 0, rows, bq, k0, cols, ws_.st, ws_.mt);
+        softmax_step(bq, cols, st);
+        rescale_output(rows, st);
+        const acc_t* v =
+            tiles_.key_rows_of(Tiles::KeySide::V, o, k0, cols, p_.dim_v, true, ws_.v, &ldv);
+        gemm<acc_t, /*kRowsOfA=*/false, /*kAccumulate=*/true>(
+            rows, ws_.dv, cols, ws_.st, bq, [&](int64_t e) { return v + e; }, ldv, st.o, ws_.dv);
+      }
+    }
+    for (int64_t h = 0; h < heads; ++h) {
+      const RowState<acc_t> st = head_state(h, bq);
+      if (split_.kv_splits == 1) {
+        write_output(o0 + h, 0, rows, st);
+        continue;
+      }
+      acc_t* part = partial(g, chunk, h);
+      std::copy(st.m, st.m + rows, part);
+      std::copy(st.l, st.l + rows, part + kFewRows);
+      std::copy(st.o, st.o + rows * ws_.dv, part + 2 * kFewRows);
+    }
+  }
+
+ public:
+  // Merges the partial states of group g's chunks (m, l, o of each) into
+  // the output and log-sum-exp: M = max m_c, L = Σ l_c·e^(m_c − M),
+  // O = Σ o_c·e^(m_c − M); a chunk that saw no key (m_c = −∞) weighs 0.
+  void combine(int64_t g) {
+    const int64_t o0 = g * split_.heads;
+    p_ = sequence_of(p_, o0);
+    const int64_t rows = p_.len_q, dv = ws_.dv;
+    const RowState<acc_t> st = ws_.state();
+    for (int64_t h = 0; h < split_.heads; ++h) {
+      for (int64_t i = 0; i < rows; ++i) {
+        acc_t top = neg_inf<acc_t>();
+        for (int64_t c = 0; c < split_.kv_splits; ++c) {
+          const acc_t m = partial(g, c, h)[i];
+          if (std::isnan(m) || m > top) top = m;  // (NaN stays)
+          if (std::isnan(top)) break;
+        }
+        acc_t l = 0;
+        acc_t* out = st.o + i * dv;
+        std::fill(out, out + dv, acc_t(0));
+        const bool finite = !std::isnan(top) && std::isfinite(top);
+        for (int64_t c = 0; finite && c < split_.kv_splits; ++c) {
+          const acc_t* part = partial(g, c, h);
+          if (part[i] == neg_inf<acc_t>()) continue;
+          const acc_t weight = std::exp(part[i] - top);
+          l += part[kFewRows + i] * weight;
+          const acc_t* o = part + 2 * kFewRows + i * dv;
+          for (int64_t e = 0; e < dv; ++e) out[e] += o[e] * weight;
+        }
+        st.m[i] = top;
+        st.l[i] = l;
+      }
+      write_output(o0 + h, 0, rows, st);
+    }
+  }
+
+ private:
+  // The decoding state of the item's head h.
+  acc_t* head_rows(int64_t h, int64_t bq) const {
+    return ws_.heads_state + h * ws_.head_floats(p_, bq);
+  }
+  RowState<acc_t> head_state(int64_t h, int64_t bq) const {
+    acc_t* base = head_rows(h, bq) + kFewRows * p_.dim_qk;
+    return {base, base + bq, base + 2 * bq, base + 3 * bq};
+  }
+  // Keys per chunk: a multiple of the key block.
+  int64_t chunk_length(int64_t len_kv) const {
+    return round_up(div_up(std::max<int64_t>(len_kv, 1), split_.kv_splits), split_.block_kv);
+  }
+  // Chunk c's partial state of head h of group g: m, l (kFewRows each), o
+  // (kFewRows × dv).
+  acc_t* partial(int64_t g, int64_t c, int64_t h) const {
+    const int64_t record = 2 * kFewRows + kFewRows * ws_.dv;
+    return static_cast<acc_t*>(split_.partials) +
+           ((g * split_.kv_splits + c) * split_.heads + h) * record;
+  }
+
+  // Zero output, and the running max and sum: −∞ and 0, or with a sink
+  // (a key of score `sink` and no value) from it.
+  void start_rows(int64_t o, int64_t rows, int64_t bq, bool with_sink,
+                  const RowState<acc_t>& st) const {
+    std::fill(st.o, st.o + rows * ws_.dv, acc_t(0));
+    const bool sink = with_sink && has_sinks(p_);
+    std::fill(st.m, st.m + bq, sink ? static_cast<acc_t>(sink_logit(p_, o)) : neg_inf<acc_t>());
+    std::fill(st.l, st.l + bq, acc_t(sink ? 1 : 0));
   }
 
  private:
@@ -139,12 +290,12 @@ class ForwardKernel {
   // Folds the block's scores into the running max/sum of each query and
   // turns them into probabilities relative to the new max; alpha[i] is the
   // factor the output accumulated so far must be rescaled by.
-  void softmax_step(int64_t bq, int64_t cols) {
+  void softmax_step(int64_t bq, int64_t cols, const RowState<acc_t>& st) {
     // Two vectors of queries at a time: two independent dependency chains,
     // and each key row of Sᵀ is read as one contiguous panel.
     const Vec vneg_inf(neg_inf<acc_t>()), zero(acc_t(0));
     for (int64_t c = 0; c < bq; c += nr) {
-      const Vec m_old0 = Vec::loadu(ws_.m + c), m_old1 = Vec::loadu(ws_.m + c + w);
+      const Vec m_old0 = Vec::loadu(st.m + c), m_old1 = Vec::loadu(st.m + c + w);
       Vec max0 = m_old0, max1 = m_old1;
       for (int64_t j = 0; j < cols; ++j) {
         const acc_t* s = ws_.st + j * bq + c;
@@ -166,32 +317,32 @@ class ForwardKernel {
         sum1 = sum1 + e1;
       }
       const Vec alpha0 = (m_old0 - use0).exp_u20(), alpha1 = (m_old1 - use1).exp_u20();
-      (Vec::loadu(ws_.l + c) * alpha0 + sum0).store(ws_.l + c);
-      (Vec::loadu(ws_.l + c + w) * alpha1 + sum1).store(ws_.l + c + w);
-      max0.store(ws_.m + c);
-      max1.store(ws_.m + c + w);
-      alpha0.store(ws_.alpha + c);
-      alpha1.store(ws_.alpha + c + w);
+      (Vec::loadu(st.l + c) * alpha0 + sum0).store(st.l + c);
+      (Vec::loadu(st.l + c + w) * alpha1 + sum1).store(st.l + c + w);
+      max0.store(st.m + c);
+      max1.store(st.m + c + w);
+      alpha0.store(st.alpha + c);
+      alpha1.store(st.alpha + c + w);
     }
   }
 
-  void rescale_output(int64_t rows) {
+  void rescale_output(int64_t rows, const RowState<acc_t>& st) {
     for (int64_t i = 0; i < rows; ++i) {
-      const acc_t a = ws_.alpha[i];
+      const acc_t a = st.alpha[i];
       if (a == acc_t(1)) continue;
-      acc_t* acc = ws_.o + i * ws_.dv;
+      acc_t* acc = st.o + i * ws_.dv;
       const Vec va(a);
       for (int64_t e = 0; e < ws_.dv; e += w) (Vec::loadu(acc + e) * va).store(acc + e);
     }
   }
 
-  void write_output(int64_t o, int64_t q0, int64_t rows) {
+  void write_output(int64_t o, int64_t q0, int64_t rows, const RowState<acc_t>& st) {
     scalar_t* out = matrix_start<scalar_t>(p_.outer, p_.out, o);
     const auto lse = lse_rows<acc_t>(p_, p_.lse, o);
     constexpr acc_t inf = std::numeric_limits<acc_t>::infinity();
     constexpr acc_t nan = std::numeric_limits<acc_t>::quiet_NaN();
     for (int64_t i = 0; i < rows; ++i) {
-      const acc_t m = ws_.m[i], l = ws_.l[i];
+      const acc_t m = st.m[i], l = st.l[i];
       acc_t inv, row_lse;
       if (std::isnan(m) || m == inf) {
         // A NaN or +inf score makes the whole softmax row NaN, as in exact
@@ -207,7 +358,7 @@ class ForwardKernel {
         inv = acc_t(0);
         row_lse = inf;
       }
-      const acc_t* acc = ws_.o + i * ws_.dv;
+      const acc_t* acc = st.o + i * ws_.dv;
       scalar_t* dst = out + (q0 + i) * p_.out.row_stride;
       for (int64_t e = 0; e < p_.dim_v; ++e) dst[e] = static_cast<scalar_t>(acc[e] * inv);
       lse[q0 + i] = row_lse;
@@ -229,9 +380,25 @@ WorkSplit configure(const AttentionParams& p, int64_t threads) {
                              nr);
   split.block_kv = paged_block(p, std::min(kBlockKV, std::max<int64_t>(p.len_kv, 1)));
   split.items = p.num_outer * div_up(p.len_q, split.block_q);
+  // Decoding: few query rows (one block) against long keys.
+  if (p.len_q > 0 && p.len_q <= kFewRows && p.softcap == 0 && !p.dropout.on() &&
+      p.len_kv >= kMinChunkBlocks * split.block_kv) {
+    split.decode = true;
+    // The heads of a sequence (packed batches), else of the last outer dim.
+    split.heads = p.seq.on() ? p.seq.heads : (p.outer.dims ? p.outer.size[p.outer.dims - 1] : 1);
+    const int64_t groups = p.num_outer / split.heads;
+    // Enough chunks that every thread gets about two items.
+    split.kv_splits = std::clamp<int64_t>(div_up(2 * threads, std::max<int64_t>(groups, 1)), 1,
+                                          p.len_kv / (kMinChunkBlocks * split.block_kv));
+    split.items = groups * split.kv_splits;
+  }
   Arena<acc_t> counter(nullptr);
   ForwardWorkspace<acc_t> sizing(p, split, counter);
   split.workspace_bytes = counter.bytes();
+  if (split.kv_splits > 1) {
+    split.partial_bytes = sizeof(acc_t) * split.items * split.heads *
+                          (2 * kFewRows + kFewRows * sizing.dv);
+  }
   return split;
 }
 
@@ -244,6 +411,21 @@ WorkSplit forward_configure(const AttentionParams& p, int64_t threads) {
 void forward_item(const AttentionParams& p, const WorkSplit& split, int64_t item,
                   void* workspace) {
   run_item_for_dtype<ForwardKernel>(p.dtype, p, split, item, workspace);
+}
+
+void forward_combine(const AttentionParams& p, const WorkSplit& split, int64_t group,
+                     void* workspace) {
+  auto run = [&](auto scalar) {
+    using scalar_t = decltype(scalar);
+    using acc_t = typename AccType<scalar_t>::type;
+    ForwardKernel<scalar_t, acc_t>(p, split, Arena<acc_t>(workspace)).combine(group);
+  };
+  switch (p.dtype) {
+    case DType::Float32: return run(float{});
+    case DType::Float64: return run(double{});
+    case DType::BFloat16: return run(c10::BFloat16{});
+    case DType::Float16: return run(c10::Half{});
+  }
 }
 
 }  // namespace CPU_CAPABILITY

@@ -86,7 +86,8 @@ IsaLevel selected_isa() {
 IsaKernels selected_kernels() {
 #define FUSEDMHA_KERNELS(LEVEL)                                                    \
   IsaKernels {                                                                     \
-    LEVEL::forward_configure, LEVEL::forward_item, LEVEL::backward_configure,     \
+    LEVEL::forward_configure, LEVEL::forward_item, LEVEL::forward_combine,        \
+        LEVEL::backward_configure,                                                 \
         LEVEL::backward_item, LEVEL::weights_configure, LEVEL::weights_item,     \
         LEVEL::fma_chains                                                          \
   }

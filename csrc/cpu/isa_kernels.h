@@ -22,6 +22,16 @@ struct WorkSplit {
   int64_t block_kv = 0;  // keys per block
   int64_t items = 0;
   size_t workspace_bytes = 0;
+  // Decoding (the forward with few query rows and long keys): one item is
+  // `heads` consecutive outer indices over one of kv_splits chunks of the
+  // keys. With kv_splits > 1 the items write partial results into the
+  // host's `partials` (partial_bytes), and forward_combine merges each
+  // group's by log-sum-exp.
+  bool decode = false;
+  int64_t heads = 1;
+  int64_t kv_splits = 1;
+  size_t partial_bytes = 0;
+  void* partials = nullptr;
 };
 
 #define FUSEDMHA_DECLARE_CPU_KERNELS(LEVEL)                                                \
@@ -30,6 +40,9 @@ struct WorkSplit {
   WorkSplit forward_configure(const AttentionParams& p, int64_t threads);                  \
   void forward_item(const AttentionParams& p, const WorkSplit& s, int64_t item,            \
                     void* workspace);                                                      \
+  /* Decoding with split keys: merges group g's partial results into out and lse. */       \
+  void forward_combine(const AttentionParams& p, const WorkSplit& s, int64_t group,        \
+                       void* workspace);                                                   \
   /* One item = one (outer index, set of key blocks); also sets bp.grad_q_splits. */       \
   WorkSplit backward_configure(BackwardParams& bp, int64_t threads);                       \
   void backward_item(const BackwardParams& bp, const WorkSplit& s, int64_t item,           \
@@ -52,6 +65,7 @@ FUSEDMHA_DECLARE_CPU_KERNELS(AVX512)
 struct IsaKernels {
   WorkSplit (*forward_configure)(const AttentionParams&, int64_t);
   void (*forward_item)(const AttentionParams&, const WorkSplit&, int64_t, void*);
+  void (*forward_combine)(const AttentionParams&, const WorkSplit&, int64_t, void*);
   WorkSplit (*backward_configure)(BackwardParams&, int64_t);
   void (*backward_item)(const BackwardParams&, const WorkSplit&, int64_t, void*);
   WorkSplit (*weights_configure)(const WeightsParams&, int64_t);

@@ -24,11 +24,14 @@ CASES = {
 }
 
 
+# 37 keys: one key block; 700: long enough that decoding splits the keys into chunks
+# across threads, merged by log-sum-exp.
+@pytest.mark.parametrize("S", [37, 700])
 @pytest.mark.parametrize("kv_heads", [1, 2])
 @pytest.mark.parametrize("layout", ["bhle", "blhe"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_decode_matches_float64(device, name, layout, kv_heads):
-    B, H, S, E = 2, 8, 37, 16
+def test_decode_matches_float64(device, name, layout, kv_heads, S):
+    B, H, E = 2, 8, 16
     kw = dict(CASES[name])
     opts = dict(dtype=torch.float64, device=device)
     if layout == "bhle":
@@ -41,7 +44,7 @@ def test_decode_matches_float64(device, name, layout, kv_heads):
     v = torch.randn(B, kv_heads, S, E, **opts, requires_grad=True)
     mask = kw.pop("mask", None)
     if mask == "padding":
-        mask = torch.arange(S, device=device)[None, None, None, :] < torch.tensor([S, S - 9], device=device)[:, None, None, None]
+        mask = torch.arange(S, device=device)[None, None, None, :] < torch.tensor([S, S // 3], device=device)[:, None, None, None]
     elif mask == "float_row":
         mask = torch.randn(S, **opts)
     elif mask == "per_head":
@@ -80,3 +83,17 @@ def test_flash_attn_decode_and_weights():
     torch.testing.assert_close(out.double(), ref.transpose(1, 2), rtol=2e-5, atol=2e-6)
     torch.testing.assert_close(lse.double(), ref_lse, rtol=2e-5, atol=2e-6)
     torch.testing.assert_close(probs.double(), ref_probs, rtol=2e-5, atol=2e-6)
+
+
+def test_split_decoding_keeps_a_nan_in_its_head():
+    """A NaN in one head's query makes that head's output NaN, and no other's, when the keys
+    are split across threads and merged."""
+    B, H, Hkv, S, E = 1, 8, 2, 1024, 16
+    q = torch.randn(B, H, 1, E)
+    q[0, 5, 0, 3] = float("nan")
+    k, v = torch.randn(B, Hkv, S, E), torch.randn(B, Hkv, S, E)
+    out = fusedmha.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    assert out[0, 5].isnan().all()
+    assert not out[0, [0, 1, 2, 3, 4, 6, 7]].isnan().any()
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    torch.testing.assert_close(out[0, :5], ref[0, :5], atol=2e-6, rtol=2e-6)

@@ -222,19 +222,23 @@ def test_bad_inputs_get_clear_errors(change, message):
     assert "fusedmha.varlen_attention_forward" in str(info.value)
 
 
-@pytest.mark.parametrize("kw", [dict(causal=True), dict(), dict(window_size=(-1, 0), softcap=2.0)])
-def test_one_query_per_sequence_equals_each_alone(device, kw):
+@pytest.mark.parametrize("lens_k", [[7, 0, 40, 1, 25], [700, 0, 300, 1, 1200]])
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(), dict(window_size=(-1, 0), softcap=2.0),
+                                dict(sinks=True, alibi="heads")])
+def test_one_query_per_sequence_equals_each_alone(device, kw, lens_k):
     """Decoding a batch: one query row per sequence (the grouped query heads of a K/V head are
-    then read as rows of one item), forward and gradients."""
-    lens_k = [7, 0, 40, 1, 25]
+    then read as rows of one item; long caches split their keys across threads), forward and
+    gradients."""
+    kw = variant_args(kw, device, torch.float64)
     q, k, v, cu_q, cu_k = packed_batch(device, torch.float64, [1] * len(lens_k), lens_k)
     out = fusedmha.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 1, max(lens_k), **kw)
     ref = torch.cat([alone(qb, kb, vb, b, kw) for b, (qb, kb, vb) in enumerate(
         zip(sequences(q, cu_q), sequences(k, cu_k), sequences(v, cu_k)))])
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-12)
     grad = torch.randn_like(out)
-    for n, (a, w) in enumerate(zip(torch.autograd.grad(out, (q, k, v), grad),
-                                   torch.autograd.grad(ref, (q, k, v), grad))):
+    inputs = (q, k, v) + ((kw["sinks"],) if "sinks" in kw else ())
+    for n, (a, w) in enumerate(zip(torch.autograd.grad(out, inputs, grad),
+                                   torch.autograd.grad(ref, inputs, grad))):
         torch.testing.assert_close(a, w, atol=1e-11, rtol=1e-11, msg=lambda m: f"gradient {n}: {m}")
 
 
