@@ -30,6 +30,7 @@ constexpr int64_t kFewRows = 8;
 // kDecodeBlockKV keys each.
 constexpr int64_t kMinChunkBlocks = 4;
 constexpr int64_t kDecodeBlockKV = 16;
+constexpr int64_t kMinChunkKeys = 1024;
 
 // The running softmax state of a block of query rows: max, sum, the
 // current step's rescale factor, and the unnormalised output.
@@ -393,8 +394,9 @@ WorkSplit configure(const AttentionParams& p, int64_t threads) {
     split.heads = p.seq.on() ? p.seq.heads : (p.outer.dims ? p.outer.size[p.outer.dims - 1] : 1);
     const int64_t groups = p.num_outer / split.heads;
     // Enough chunks that every thread gets about two items.
+    // (A split costs a merge pass: only for chunks of kMinChunkKeys or more.)
     split.kv_splits = std::clamp<int64_t>(div_up(2 * threads, std::max<int64_t>(groups, 1)), 1,
-                                          p.len_kv / (kMinChunkBlocks * split.block_kv));
+                                          std::max<int64_t>(p.len_kv / kMinChunkKeys, 1));
     split.items = groups * split.kv_splits;
   }
   Arena<acc_t> counter(nullptr);

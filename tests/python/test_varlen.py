@@ -222,7 +222,7 @@ def test_bad_inputs_get_clear_errors(change, message):
     assert "fusedmha.varlen_attention_forward" in str(info.value)
 
 
-@pytest.mark.parametrize("lens_k", [[7, 0, 40, 1, 25], [700, 0, 300, 1, 1200]])
+@pytest.mark.parametrize("lens_k", [[7, 0, 40, 1, 25], [700, 0, 300, 1, 1200], [2100, 0]])
 @pytest.mark.parametrize("kw", [dict(causal=True), dict(), dict(window_size=(-1, 0), softcap=2.0),
                                 dict(sinks=True, alibi="heads")])
 def test_one_query_per_sequence_equals_each_alone(device, kw, lens_k):
