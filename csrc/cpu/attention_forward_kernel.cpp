@@ -422,17 +422,8 @@ void forward_item(const AttentionParams& p, const WorkSplit& split, int64_t item
 
 void forward_combine(const AttentionParams& p, const WorkSplit& split, int64_t group,
                      void* workspace) {
-  auto run = [&](auto scalar) {
-    using scalar_t = decltype(scalar);
-    using acc_t = typename AccType<scalar_t>::type;
-    ForwardKernel<scalar_t, acc_t>(p, split, Arena<acc_t>(workspace)).combine(group);
-  };
-  switch (p.dtype) {
-    case DType::Float32: return run(float{});
-    case DType::Float64: return run(double{});
-    case DType::BFloat16: return run(c10::BFloat16{});
-    case DType::Float16: return run(c10::Half{});
-  }
+  with_kernel_for_dtype<ForwardKernel>(p.dtype, p, split, workspace,
+                                       [&](auto& k) { k.combine(group); });
 }
 
 }  // namespace CPU_CAPABILITY

@@ -309,15 +309,16 @@ class Arena {
   int64_t used_ = 0;
 };
 
-// Runs work item `item` with Kernel<scalar_t, acc_t> for dtype, its
-// scratch carved from workspace.
-template <template <typename, typename> class Kernel, typename Params>
-void run_item_for_dtype(DType dtype, const Params& p, const WorkSplit& split, int64_t item,
-                        void* workspace) {
+// Calls work(kernel) with a Kernel<scalar_t, acc_t> for dtype, its scratch
+// carved from workspace.
+template <template <typename, typename> class Kernel, typename Params, typename Work>
+void with_kernel_for_dtype(DType dtype, const Params& p, const WorkSplit& split, void* workspace,
+                           const Work& work) {
   auto run = [&](auto scalar) {
     using scalar_t = decltype(scalar);
     using acc_t = typename AccType<scalar_t>::type;
-    Kernel<scalar_t, acc_t>(p, split, Arena<acc_t>(workspace)).run(item);
+    Kernel<scalar_t, acc_t> kernel(p, split, Arena<acc_t>(workspace));
+    work(kernel);
   };
   switch (dtype) {
     case DType::Float32: return run(float{});
@@ -325,6 +326,13 @@ void run_item_for_dtype(DType dtype, const Params& p, const WorkSplit& split, in
     case DType::BFloat16: return run(c10::BFloat16{});
     case DType::Float16: return run(c10::Half{});
   }
+}
+
+// Runs work item `item` with Kernel<scalar_t, acc_t> for dtype.
+template <template <typename, typename> class Kernel, typename Params>
+void run_item_for_dtype(DType dtype, const Params& p, const WorkSplit& split, int64_t item,
+                        void* workspace) {
+  with_kernel_for_dtype<Kernel>(dtype, p, split, workspace, [&](auto& k) { k.run(item); });
 }
 
 // Reads the inputs described by AttentionParams tile by tile, in the layouts

@@ -191,6 +191,9 @@ def _varlen_probs(q, k, lse, rng_state, cu_q, cu_k, max_q, max_k, seqused_k, dro
     weights = torch.ops.fusedmha.attention_weights
     cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
     used = seqused_k.tolist() if seqused_k is not None else None
+    if dropout_p > 0:  # every sequence's elements (b·H + h, i, j), drawn once
+        keep = torch.ops.fusedmha._dropout_keep_mask(rng_state, batch * h, max_q, max_k,
+                                                     dropout_p).view(batch, h, max_q, max_k)
     for b in range(batch):
         # Sequence b alone, with its dropout elements (b·H + h, i, j).
         q0, q1, k0 = cu_q[b], cu_q[b + 1], cu_k[b]
@@ -203,18 +206,10 @@ def _varlen_probs(q, k, lse, rng_state, cu_q, cu_k, max_q, max_k, seqused_k, dro
         p = weights(qb, kb, lse_b, rng_state, None, 0.0, causal, softmax_scale, h != h_kv, False,
                     **one)
         if dropout_p > 0:
-            kept = _sequence_keep_mask(rng_state, batch, h, b, max_q, max_k, dropout_p)
-            kept = kept[:, : q1 - q0, : k1 - k0].to(p.device)
+            kept = keep[b, :, : q1 - q0, : k1 - k0].to(p.device)
             p = torch.where(kept | (p == 0), p, -p)
         probs[b, :, : q1 - q0, : k1 - k0] = p
     return probs
-
-
-def _sequence_keep_mask(rng_state, batch, heads, b, max_q, max_k, dropout_p):
-    """The dropout keep-mask of sequence b's heads in a packed batch: (H, max_q, max_k)."""
-    mask = torch.ops.fusedmha._dropout_keep_mask(rng_state, batch * heads, max_q, max_k,
-                                                 dropout_p)
-    return mask.view(batch, heads, max_q, max_k)[b]
 
 
 def flash_attn_with_kvcache(
