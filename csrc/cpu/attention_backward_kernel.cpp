@@ -187,14 +187,13 @@ class BackwardKernel {
   }
 
   // Pᵀ = exp(Sᵀ − lse). A row with no attendable key has lse = +inf and so
-  // P = 0; a NaN row (NaN lse) stays NaN, which the fast exp alone would hide.
+  // P = 0; a NaN row (NaN lse) stays NaN.
   void probabilities(int64_t cols, int64_t bq) {
     for (int64_t c = 0; c < bq; c += w) {
       const Vec lse = Vec::loadu(ws_.lse + c);
       for (int64_t j = 0; j < cols; ++j) {
         acc_t* s = ws_.pt + j * bq + c;
-        const Vec x = Vec::loadu(s) - lse;
-        Vec::blendv(x.exp_u20(), x, x != x).store(s);
+        exp_of_difference(Vec::loadu(s), lse).store(s);
       }
     }
   }

@@ -312,14 +312,15 @@ class ForwardKernel {
       Vec sum0 = zero, sum1 = zero;
       for (int64_t j = 0; j < cols; ++j) {
         acc_t* s = ws_.st + j * bq + c;
-        const Vec e0 = (Vec::loadu(s) - use0).exp_u20();
-        const Vec e1 = (Vec::loadu(s + w) - use1).exp_u20();
+        const Vec e0 = exp_of_difference(Vec::loadu(s), use0);
+        const Vec e1 = exp_of_difference(Vec::loadu(s + w), use1);
         e0.store(s);
         e1.store(s + w);
         sum0 = sum0 + e0;
         sum1 = sum1 + e1;
       }
-      const Vec alpha0 = (m_old0 - use0).exp_u20(), alpha1 = (m_old1 - use1).exp_u20();
+      const Vec alpha0 = exp_of_difference(m_old0, use0);
+      const Vec alpha1 = exp_of_difference(m_old1, use1);
       (Vec::loadu(st.l + c) * alpha0 + sum0).store(st.l + c);
       (Vec::loadu(st.l + c + w) * alpha1 + sum1).store(st.l + c + w);
       max0.store(st.m + c);

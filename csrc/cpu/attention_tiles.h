@@ -110,6 +110,94 @@ Vectorized<acc_t> tanh_of_half(const Vectorized<acc_t>& x_in) {
 }
 
 
+// e^(x − m), the softmax's exponential, elementwise. For float lanes it is
+// 2^t with t = (x − m)·log2(e), split as t = n + r with n
+// an integer and r in ±1/2: 2^r is a degree-5 polynomial fitted to 2^r on
+// that interval (relative error 3e-7 in float, against exp_u20's 20 ulp)
+// and 2^n goes into the exponent (AVX-512's scalef; on AVX2 by integer
+// arithmetic, with t clamped to the normal range). t below −126 gives 0 (so
+// −inf does, exactly: a masked key adds nothing to a row's sum), and NaN
+// stays NaN. About 13 vector operations, against 20 for exp_u20 with the
+// subtraction. Elsewhere: exp_u20.
+template <typename acc_t>
+Vectorized<acc_t> exp_of_difference(const Vectorized<acc_t>& x_in, const Vectorized<acc_t>& m_in) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<acc_t, float>) {
+#if defined(CPU_CAPABILITY_AVX512)
+    using V = __m512;
+#define FMH_(op) _mm512_##op
+#else
+    using V = __m256;
+#define FMH_(op) _mm256_##op
+#endif
+    const V log2e = FMH_(set1_ps)(1.44269504f), lowest = FMH_(set1_ps)(-126.0f);
+    // (Not one fmsub: its rounded m·log2(e) costs |m|·6e-8 in t, 1e-5 at m = 100.)
+    const V t = FMH_(mul_ps)(FMH_(sub_ps)(V(x_in), V(m_in)), log2e);
+    // (max/min return their second operand when one is NaN.)
+#if defined(CPU_CAPABILITY_AVX512)
+    const __mmask16 keep = _mm512_cmp_ps_mask(t, lowest, _CMP_NLT_UQ);  // t >= −126 or NaN
+    const V tc = FMH_(max_ps)(lowest, t);
+    const V n = _mm512_roundscale_ps(tc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+    const V keep = _mm256_cmp_ps(t, lowest, _CMP_NLT_UQ);
+    const V tc = FMH_(min_ps)(FMH_(set1_ps)(127.0f), FMH_(max_ps)(lowest, t));
+    const V n = _mm256_round_ps(tc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#endif
+    const V r = FMH_(sub_ps)(tc, n);
+    V p = FMH_(fmadd_ps)(FMH_(set1_ps)(1.33908668e-3f), r, FMH_(set1_ps)(9.66637395e-3f));
+    p = FMH_(fmadd_ps)(p, r, FMH_(set1_ps)(5.55035695e-2f));
+    p = FMH_(fmadd_ps)(p, r, FMH_(set1_ps)(2.40223482e-1f));
+    p = FMH_(fmadd_ps)(p, r, FMH_(set1_ps)(6.93147182e-1f));
+    p = FMH_(fmadd_ps)(p, r, FMH_(set1_ps)(1.0f));
+#if defined(CPU_CAPABILITY_AVX512)
+    return Vectorized<acc_t>(_mm512_maskz_scalef_ps(keep, p, n));
+#else
+    const __m256i bits = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return Vectorized<acc_t>(_mm256_and_ps(keep, _mm256_mul_ps(p, _mm256_castsi256_ps(bits))));
+#endif
+#undef FMH_
+  }
+#endif
+  return (x_in - m_in).exp_u20();
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// dst[16 × 16] = transpose of the 16 × 16 floats at src (rows ld apart), in
+// registers: pairs of rows interleaved by 32 then 64 bits, which leaves each
+// 128-bit lane holding 4 rows of one column, then the lanes of each group
+// of four vectors transposed. (ATen's transpose_mxn for runtime sizes goes
+// through the stack with memcpy, at several times the cost.)
+inline void transpose_16x16(const float* src, int64_t ld, float* dst) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * ld);
+  for (int k = 0; k < 8; ++k) {
+    t[2 * k] = _mm512_unpacklo_ps(r[2 * k], r[2 * k + 1]);
+    t[2 * k + 1] = _mm512_unpackhi_ps(r[2 * k], r[2 * k + 1]);
+  }
+  // r[4m + c], lane l: column 4l + c, rows 4m..4m+3.
+  for (int m = 0; m < 4; ++m) {
+    const __m512d a = _mm512_castps_pd(t[4 * m]), b = _mm512_castps_pd(t[4 * m + 2]);
+    const __m512d c = _mm512_castps_pd(t[4 * m + 1]), d = _mm512_castps_pd(t[4 * m + 3]);
+    r[4 * m] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+    r[4 * m + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    r[4 * m + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+    r[4 * m + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+  }
+  // Column 4l + c is lane l of r[c], r[4 + c], r[8 + c], r[12 + c].
+  for (int c = 0; c < 4; ++c) {
+    const __m512 p0 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x44);
+    const __m512 p1 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xEE);
+    const __m512 p2 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x44);
+    const __m512 p3 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xEE);
+    _mm512_storeu_ps(dst + c * 16, _mm512_shuffle_f32x4(p0, p2, 0x88));
+    _mm512_storeu_ps(dst + (4 + c) * 16, _mm512_shuffle_f32x4(p0, p2, 0xDD));
+    _mm512_storeu_ps(dst + (8 + c) * 16, _mm512_shuffle_f32x4(p1, p3, 0x88));
+    _mm512_storeu_ps(dst + (12 + c) * 16, _mm512_shuffle_f32x4(p1, p3, 0xDD));
+  }
+}
+#endif
+
 // What the score GEMM does to each vector of results before storing it:
 // nothing, or the softcap s → c·tanh(s / c), while the scores are still in
 // registers (one pass over the tile fewer).
@@ -147,14 +235,44 @@ __attribute__((always_inline)) inline void microkernel(const acc_t* a, int64_t l
     c0[i] = kAccumulate ? Vec::loadu(c + i * ldc) : Vec(acc_t(0));
     c1[i] = kAccumulate ? Vec::loadu(c + i * ldc + w) : Vec(acc_t(0));
   }
-  for (int64_t t = 0; t < n; ++t) {
-    const Vec b0 = Vec::loadu(b + t * b_step);
-    const Vec b1 = Vec::loadu(b + t * b_step + w);
+  if constexpr (kRowsOfA) {
+    // Row i of a is read at rows[i / 4] + {0, 1, 2, 3}[i % 4]·lda: three
+    // pointers and two index registers (lda, 3·lda), each pointer stepped
+    // along t. Left to itself, GCC keeps one pointer per row, which does not
+    // fit the 16 general registers: it parks them in vector registers and on
+    // the stack and moves one back per broadcast, on the FMA ports.
+    constexpr int64_t kBases = (M + 3) / 4;
+    const acc_t* rows[kBases];
+#pragma GCC unroll 4
+    for (int64_t r = 0; r < kBases; ++r) rows[r] = a + 4 * r * lda;
+    const int64_t lda3 = 3 * lda;
+    for (int64_t t = 0; t < n; ++t) {
+      const Vec b0 = Vec::loadu(b + t * b_step);
+      const Vec b1 = Vec::loadu(b + t * b_step + w);
 #pragma GCC unroll 16
-    for (int64_t i = 0; i < M; ++i) {
-      const Vec x(kRowsOfA ? a[i * lda + t] : a[t * lda + i]);
-      c0[i] = at::vec::fmadd(x, b0, c0[i]);
-      c1[i] = at::vec::fmadd(x, b1, c1[i]);
+      for (int64_t i = 0; i < M; ++i) {
+        const acc_t* row = rows[i / 4];
+        const int64_t step = i % 4 == 3 ? lda3 : (i % 4) * lda;
+        const Vec x(row[step]);
+        c0[i] = at::vec::fmadd(x, b0, c0[i]);
+        c1[i] = at::vec::fmadd(x, b1, c1[i]);
+      }
+#pragma GCC unroll 4
+      for (int64_t r = 0; r < kBases; ++r) {
+        ++rows[r];
+        asm("" : "+r"(rows[r]));  // (keeps GCC from deriving a pointer per row again)
+      }
+    }
+  } else {
+    for (int64_t t = 0; t < n; ++t) {
+      const Vec b0 = Vec::loadu(b + t * b_step);
+      const Vec b1 = Vec::loadu(b + t * b_step + w);
+#pragma GCC unroll 16
+      for (int64_t i = 0; i < M; ++i) {
+        const Vec x(a[t * lda + i]);
+        c0[i] = at::vec::fmadd(x, b0, c0[i]);
+        c1[i] = at::vec::fmadd(x, b1, c1[i]);
+      }
     }
   }
 #pragma GCC unroll 16
@@ -723,9 +841,7 @@ class TileReader {
       return at::vec::transpose_mxn<float, 8, 8>(src, ld, dst, w);
     }
 #elif defined(CPU_CAPABILITY_AVX512)
-    if constexpr (std::is_same_v<acc_t, float>) {
-      return at::vec::transpose_mxn<float>(src, ld, dst, w, 16, 16);
-    }
+    if constexpr (std::is_same_v<acc_t, float>) return transpose_16x16(src, ld, dst);
 #endif
     for (int64_t i = 0; i < w; ++i) {
       for (int64_t j = 0; j < w; ++j) dst[j * w + i] = src[i * ld + j];

@@ -115,7 +115,7 @@ class WeightsKernel {
       acc_t* a = ws_.acc + j * bq;
       const acc_t* d = ws_.dm ? ws_.dm + j * bq : nullptr;
       for (int64_t c = 0; c < bq; c += w) {
-        Vec prob = (Vec::loadu(s + c) - Vec::loadu(ws_.lse + c)).exp_u20() * vweight;
+        Vec prob = exp_of_difference(Vec::loadu(s + c), Vec::loadu(ws_.lse + c)) * vweight;
         if (d) prob = prob * Vec::loadu(d + c);
         (Vec::loadu(a + c) + prob).store(a + c);
       }
