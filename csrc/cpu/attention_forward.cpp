@@ -89,7 +89,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_forward_cpu(
   ops::check_varlen_inputs(ops::kVarlenForwardOp, query, key, value, batch, dropout_p, scale,
                            variants);
   ops::check_packed_batch_values(ops::kVarlenForwardOp, batch, query.size(0), key);
-  auto [out, lse, rng_state] = ops::allocate_varlen_outputs(query, value);
+  // (Every row of a sequence is written by the kernel: only the rest is filled.)
+  const int64_t covered = cu_seqlens_q[-1].item<int64_t>();
+  auto [out, lse, rng_state] = ops::allocate_varlen_outputs(query, value, covered);
   ops::AttentionCall call(ops::kVarlenForwardOp, query, key, value, batch, is_causal, scale,
                           variants, dropout_p);
   run_forward(call.forward(out, lse), dropout_p, rng_state);

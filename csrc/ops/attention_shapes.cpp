@@ -131,15 +131,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_attention_outputs(const 
   return {out, lse, rng_state};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_varlen_outputs(const at::Tensor& query,
-                                                                       const at::Tensor& value) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_varlen_outputs(
+    const at::Tensor& query, const at::Tensor& value, std::optional<int64_t> written_rows) {
   const auto lse_dtype = query.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const auto options = query.options();
+  if (written_rows.has_value()) {
+    at::Tensor out = at::empty({query.size(0), query.size(1), value.size(-1)}, options);
+    at::Tensor lse = at::empty({query.size(1), query.size(0)}, options.dtype(lse_dtype));
+    out.narrow(0, *written_rows, query.size(0) - *written_rows).zero_();
+    lse.narrow(1, *written_rows, query.size(0) - *written_rows)
+        .fill_(std::numeric_limits<double>::infinity());
+    return {out, lse, at::zeros({2}, options.dtype(at::kLong))};
+  }
   at::Tensor out = at::zeros_symint({query.sym_size(0), query.sym_size(1), value.sym_size(-1)},
-                                    query.options());
+                                    options);
   at::Tensor lse = at::full_symint({query.sym_size(1), query.sym_size(0)},
                                    std::numeric_limits<double>::infinity(),
-                                   query.options().dtype(lse_dtype));
-  at::Tensor rng_state = at::zeros({2}, query.options().dtype(at::kLong));
+                                   options.dtype(lse_dtype));
+  at::Tensor rng_state = at::zeros({2}, options.dtype(at::kLong));
   return {out, lse, rng_state};
 }
 

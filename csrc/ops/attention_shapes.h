@@ -36,11 +36,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_attention_outputs(const 
                                                                           bool enable_gqa);
 
 // The outputs of a packed batch (ops/packed_batch.h): output (total_q, H,
-// Ev), zeroed (rows no sequence covers stay 0), log-sum-exp (H, total_q)
-// as FlashAttention returns it, +inf (no keys) until computed, and the
-// dropout rng state.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_varlen_outputs(const at::Tensor& query,
-                                                                       const at::Tensor& value);
+// Ev), log-sum-exp (H, total_q) as FlashAttention returns it, and the
+// dropout rng state. Rows no sequence covers get output 0 and lse +inf (no
+// keys): all rows, or, when the kernel is known to write the first
+// written_rows (cu_seqlens_q[-1], read on the host), only the rest.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_varlen_outputs(
+    const at::Tensor& query, const at::Tensor& value,
+    std::optional<int64_t> written_rows = std::nullopt);
 
 // The attention weights (..., H, L, S), or (..., L, S) averaged over heads,
 // contiguous, in the query's dtype.
