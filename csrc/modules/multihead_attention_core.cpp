@@ -30,12 +30,18 @@ using at::Tensor;
 
 constexpr const char* kModule = "fusedmha.MultiheadAttention";
 
-// A float mask is added to the query's scores: one of lower precision is
-// widened (on every path, as PyTorch's fast path does), one of higher
-// precision (float64 for a float32 query) is an error.
-void check_float_mask_precision(const std::optional<Tensor>& mask, const char* name,
-                                at::ScalarType query_dtype) {
-  if (!mask.has_value() || mask->scalar_type() == at::kBool) return;
+// A mask lives on the query's device. A float mask is added to the query's
+// scores: one of lower precision is widened (on every path, as PyTorch's
+// fast path does), one of higher precision (float64 for a float32 query) is
+// an error. Checked here, so that errors name the module the user called.
+void check_module_mask(const std::optional<Tensor>& mask, const char* name, const Tensor& query) {
+  if (!mask.has_value()) return;
+  TORCH_CHECK(mask->device() == query.device(), kModule, ": expected ", name,
+              " on the query's device (", query.device(), "), got ", mask->device());
+  if (mask->scalar_type() == at::kBool) return;
+  TORCH_CHECK(at::isFloatingType(mask->scalar_type()), kModule, ": expected ", name,
+              " of dtype bool or floating point, got ", mask->scalar_type());
+  const at::ScalarType query_dtype = query.scalar_type();
   TORCH_CHECK(c10::promoteTypes(mask->scalar_type(), query_dtype) == query_dtype, kModule,
               ": expected a float ", name, " of the query's dtype (", query_dtype,
               ") or lower precision, got ", mask->scalar_type());
@@ -103,8 +109,8 @@ std::tuple<Tensor, Tensor> multihead_attention_core(
               ": bias_k and bias_v come together");
   TORCH_CHECK(dropout_p >= 0.0 && dropout_p <= 1.0, kModule, ": dropout must be in [0, 1], got ",
               dropout_p);
-  check_float_mask_precision(attn_mask, "attn_mask", q.scalar_type());
-  check_float_mask_precision(key_padding_mask, "key_padding_mask", q.scalar_type());
+  check_module_mask(attn_mask, "attn_mask", q);
+  check_module_mask(key_padding_mask, "key_padding_mask", q);
 
   std::optional<Tensor> mask = attn_mask, padding = key_padding_mask;
   Tensor keys = k, values = v;

@@ -18,6 +18,7 @@
 #include <fusedmha/attention.h>
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <torch/library.h>
 
 namespace fusedmha {
@@ -58,6 +59,47 @@ at::Tensor per_sequence(const OptTensor& t, int64_t B, int64_t fallback, const c
   return t->to(device, at::kInt);
 }
 
+// The caches are written in place: each must hold distinct elements (not an
+// expand()ed view) and share none with the other or with the new rows, or
+// a write would land on rows that are read or written again. Their dtype and
+// device are checked here too, so that errors name this op, not the kernel
+// it hands the call to.
+void check_caches(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const OptTensor& k, const OptTensor& v) {
+  TORCH_CHECK(at::isFloatingType(q.scalar_type()), kOp,
+              ": expected q of dtype float32, float64, bfloat16 or float16, got ", q.scalar_type());
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              kOp, ": expected k_cache and v_cache of q's dtype (", q.scalar_type(), "), got ",
+              k_cache.scalar_type(), " and ", v_cache.scalar_type());
+  TORCH_CHECK(k_cache.device() == q.device() && v_cache.device() == q.device(), kOp,
+              ": expected k_cache and v_cache on q's device (", q.device(), "), got ",
+              k_cache.device(), " and ", v_cache.device());
+  if (k.has_value() && v.has_value()) {
+    TORCH_CHECK(k->device() == q.device() && v->device() == q.device(), kOp,
+                ": expected k and v on q's device (", q.device(), "), got ", k->device(), " and ",
+                v->device());
+    TORCH_CHECK(at::isFloatingType(k->scalar_type()) && at::isFloatingType(v->scalar_type()), kOp,
+                ": expected floating-point k and v, got ", k->scalar_type(), " and ",
+                v->scalar_type());
+  }
+  TORCH_CHECK(at::has_internal_overlap(k_cache) != at::MemOverlap::Yes &&
+                  at::has_internal_overlap(v_cache) != at::MemOverlap::Yes,
+              kOp, ": k_cache and v_cache are written in place and must not have elements that "
+              "share memory (an expand()ed view, for one); pass a contiguous cache");
+  // (TooHard, a layout whose overlap the check can't decide, is let through)
+  auto shares = [](const at::Tensor& a, const at::Tensor& b) {
+    const at::MemOverlapStatus status = at::get_overlap_status(a, b);
+    return status == at::MemOverlapStatus::Full || status == at::MemOverlapStatus::Partial;
+  };
+  TORCH_CHECK(!shares(k_cache, v_cache), kOp,
+              ": k_cache and v_cache are written in place and must not share memory");
+  for (const OptTensor* t : {&k, &v}) {
+    if (!t->has_value()) continue;
+    TORCH_CHECK(!shares(k_cache, **t) && !shares(v_cache, **t),
+                kOp, ": the new k and v must not share memory with k_cache or v_cache");
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_composite(
     const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache, const OptTensor& k,
     const OptTensor& v, const OptTensor& rotary_cos, const OptTensor& rotary_sin,
@@ -70,6 +112,7 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_composite(
               ": expected q (B, L, H, E) and k_cache/v_cache (B_cache, S_cache, H_kv, E) or "
               "pages (num_pages, page_size, H_kv, E), got ", q.sizes(), ", ", k_cache.sizes(),
               " and ", v_cache.sizes());
+  check_caches(q, k_cache, v_cache, k, v);
   TORCH_CHECK(k.has_value() == v.has_value(), kOp, ": pass k and v together");
   TORCH_CHECK(rotary_cos.has_value() == rotary_sin.has_value(), kOp,
               ": pass rotary_cos and rotary_sin together");

@@ -143,6 +143,10 @@ def test_decode_steps_equal_attention_over_the_whole_sequence():
     (dict(cache_seqlens=None), "cache_seqlens is needed"),
     (dict(cache_seqlens=torch.tensor([1, 2], dtype=torch.int32)), r"shape \(B\) = \(1\)"),
     (dict(rotary_cos=torch.ones(8, 4)), "rotary_cos and rotary_sin together"),
+    (dict(k_cache=torch.zeros(1, 40, H_KV, E).half()), "k_cache and v_cache of q's dtype"),
+    (dict(v_cache=torch.zeros(1, 40, H_KV, E, device="meta")), "on q's device"),
+    (dict(k=torch.randn(1, 2, H_KV, E, device="meta")), "k and v on q's device"),
+    (dict(k_cache=torch.zeros(1, 1, H_KV, E).expand(1, 40, H_KV, E)), "elements that share memory"),
 ])
 def test_bad_inputs_get_clear_errors(call, message):
     args = dict(q=torch.randn(1, 1, H, E), k_cache=torch.zeros(1, 40, H_KV, E),
@@ -192,3 +196,21 @@ def test_a_paged_cache_equals_a_contiguous_one(device, page, kw, new):
     # The append went to the right rows of the right pages.
     torch.testing.assert_close(paged_k[table.long()].view(B, S_cache, H_KV, E), cache_k)
     torch.testing.assert_close(paged_v[table.long()].view(B, S_cache, H_KV, E), cache_v)
+
+
+def test_caches_that_share_memory_are_refused_and_left_untouched():
+    """The caches are written in place: one tensor as both, or new rows that are cache rows,
+    would overwrite what is read; halves of one buffer are distinct and fine."""
+    q, k, v = torch.randn(1, 1, H, E), torch.randn(1, 2, H_KV, E), torch.randn(1, 2, H_KV, E)
+    cache = torch.randn(1, 40, H_KV, E)
+    before = cache.clone()
+    with pytest.raises(RuntimeError, match="fusedmha.attention_with_kvcache: .*must not share"):
+        fusedmha.flash_attn_with_kvcache(q, cache, cache, k, v, cache_seqlens=3)
+    with pytest.raises(RuntimeError, match="fusedmha.attention_with_kvcache: .*must not share"):
+        fusedmha.flash_attn_with_kvcache(q, cache, torch.zeros_like(cache), cache[:, 5:7], v,
+                                         cache_seqlens=3)
+    assert torch.equal(cache, before)
+    kv = torch.zeros(2, 1, 40, H_KV, E)
+    out = fusedmha.flash_attn_with_kvcache(q, kv[0], kv[1], k, v, cache_seqlens=3)
+    assert torch.equal(kv[0, :, 3:5], k) and torch.equal(kv[1, :, 3:5], v)
+    assert out.isfinite().all()

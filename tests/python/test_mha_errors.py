@@ -549,3 +549,13 @@ def test_fuzz_never_crashes():
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"child exited with {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     assert "FUZZ DONE" in proc.stdout
+
+
+@pytest.mark.parametrize("mask", ["attn_mask", "key_padding_mask"])
+def test_mask_on_another_device_names_the_module(mask):
+    """Errors name the entry point the user called, not the op the module hands the call to."""
+    mod = fusedmha.MultiheadAttention(E, H)
+    x = torch.randn(4, 3, E)
+    shape = (4, 4) if mask == "attn_mask" else (3, 4)
+    with pytest.raises(RuntimeError, match="fusedmha.MultiheadAttention: expected " + mask):
+        mod(x, x, x, **{mask: torch.zeros(shape, device="meta")})

@@ -198,13 +198,56 @@ def test_variant_families_generate_like_eager(family):
     assert torch.equal(out["fusedmha"], out["eager"])
 
 
-@pytest.mark.parametrize("name", ["position_bias", "head_mask"])
+@pytest.mark.parametrize("name", ["head_mask", "layer_head_mask", "block_table", "cache_seqlens"])
 def test_arguments_that_would_change_the_result_are_refused(name):
     from fusedmha.integrations.transformers import fusedmha_attention_forward
 
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(ValueError, match=f"does not support .*`{name}`"):
         fusedmha_attention_forward(torch.nn.Module(), q, q, q, None, **{name: torch.zeros(1)})
+
+
+def test_per_token_sinks_are_refused():
+    from fusedmha.integrations.transformers import fusedmha_attention_forward
+
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="one sink logit per head"):
+        fusedmha_attention_forward(torch.nn.Module(), q, q, q, None, sinks=torch.zeros(1, 2, 4, 1))
+
+
+@pytest.mark.parametrize("mask", ["none", "bool", "float"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_position_bias_matches_sdpa(mask, causal):
+    """T5-style additive biases join the mask, as in transformers' own "sdpa" call."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from fusedmha.integrations.transformers import fusedmha_attention_forward
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 5, 8, dtype=torch.float64) for _ in range(3))
+    bias = torch.randn(1, 3, 5, 5, dtype=torch.float64)
+    attention_mask = {"none": None, "bool": torch.rand(2, 1, 5, 5) > 0.3,
+                      "float": torch.randn(2, 1, 5, 5, dtype=torch.float64)}[mask]
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        attention_mask[..., 0] = True  # (no fully masked rows: "sdpa" averages those)
+    module = torch.nn.Module()
+    module.is_causal = causal
+    ours, _ = fusedmha_attention_forward(module, q, k, v, attention_mask, position_bias=bias)
+    theirs, _ = sdpa_attention_forward(module, q, k, v, attention_mask, position_bias=bias)
+    torch.testing.assert_close(ours, theirs)
+
+
+def test_sinks_keyword_is_s_aux():
+    from fusedmha.integrations.transformers import fusedmha_attention_forward
+
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, 4, 8)
+    sinks = torch.randn(2)
+    by_sinks, _ = fusedmha_attention_forward(torch.nn.Module(), q, q, q, None, sinks=sinks)
+    by_s_aux, _ = fusedmha_attention_forward(torch.nn.Module(), q, q, q, None, s_aux=sinks)
+    assert torch.equal(by_sinks, by_s_aux)
+    plain, _ = fusedmha_attention_forward(torch.nn.Module(), q, q, q, None)
+    assert not torch.allclose(by_sinks, plain)
 
 
 PACKED_LENGTHS = [5, 11, 3, 9]

@@ -9,7 +9,8 @@ AttentionMaskInterface (masks as for "sdpa": bool, True = may attend, which is f
 meaning too). Covers what models pass: padding and causal masks, the causal flag, dropout,
 scaling, grouped-query attention (num_key_value_groups: K/V are not repeated), transformers'
 (batch, heads, seq, head_dim) layout, and the variants some models use: sliding windows
-(Mistral, Qwen2, Gemma 2, gpt-oss), softcap (Gemma 2) and attention sinks (gpt-oss's s_aux).
+(Mistral, Qwen2, Gemma 2, gpt-oss), softcap (Gemma 2), attention sinks (gpt-oss's s_aux, or
+``sinks``, one logit per head) and additive position biases (``position_bias``, T5-style).
 Packed batches (padding-free training with DataCollatorWithFlattening: the ``cu_seq_lens_q/k``
 kwargs, or ``position_ids`` that restart within a row) run fusedmha's varlen kernels, which
 attend within each sequence and spend no work across them.
@@ -29,8 +30,11 @@ NAME = "fusedmha"
 # Keyword arguments some models pass that change the attention's result and that this
 # backend does not implement: an error, never silently different numbers.
 _UNSUPPORTED = {
-    "position_bias": "relative position biases (T5-style)",
     "head_mask": "head masks",
+    "layer_head_mask": "head masks",
+    "block_table": "paged KV caches through the attention call (use fusedmha.flash_attn_with_kvcache)",
+    "cache_seqlens": "per-sequence cache lengths through the attention call "
+                     "(use fusedmha.flash_attn_with_kvcache)",
 }
 
 
@@ -82,7 +86,14 @@ def fusedmha_attention_forward(
     q_length, kv_length = query.shape[2], key.shape[2]
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
-    variants = dict(softcap=float(softcap or 0.0), sinks=s_aux)
+    variants = dict(softcap=float(softcap or 0.0), sinks=_per_head_sinks(s_aux, kwargs, query))
+    position_bias = kwargs.get("position_bias")
+    if position_bias is not None:
+        # An additive score bias (T5-style relative positions): it joins the mask as a float
+        # mask, as "sdpa" does; the causal flag becomes part of it.
+        attention_mask = _bias_mask(position_bias, attention_mask, bool(is_causal) and
+                                    attention_mask is None and q_length > 1, query, key)
+        is_causal = False
     packed, explicit = _packed_sequences(query, key, kwargs)
     if packed is not None and _mask_is_packing_only(attention_mask, packed, bool(is_causal),
                                                      explicit):
@@ -107,6 +118,36 @@ def fusedmha_attention_forward(
         scale=scaling, enable_gqa=query.shape[1] != key.shape[1], **variants,
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _per_head_sinks(s_aux, kwargs, query):
+    """The sink logits, one per head (gpt-oss passes them as s_aux, others as sinks); sinks of
+    any other shape (per token) would change the result and are refused."""
+    sinks = kwargs.get("sinks")
+    if sinks is not None and s_aux is not None:
+        raise ValueError("fusedmha attention: got both `s_aux` and `sinks`; pass one")
+    sinks = s_aux if sinks is None else sinks
+    if sinks is not None and sinks.numel() != query.shape[1]:
+        raise ValueError(f"fusedmha attention supports one sink logit per head ({query.shape[1]}),"
+                         f" not sinks of shape {tuple(sinks.shape)}; use attn_implementation="
+                         "'eager'")
+    return None if sinks is None else sinks.reshape(query.shape[1])
+
+
+def _bias_mask(bias, mask, causal, query, key):
+    """The float mask that adds `bias` (broadcastable to (B, H, L, S)) where a query may attend
+    and excludes what `mask` (bool: True = may attend, or float: added) or `causal` excludes."""
+    L, S = query.shape[2], key.shape[2]
+    bias = bias.to(query.dtype)
+    lowest = torch.finfo(query.dtype).min  # (as "sdpa": a finite floor, never -inf + bias)
+    if causal:
+        keep = torch.ones(L, S, dtype=torch.bool, device=query.device).tril()
+        return torch.where(keep, bias, lowest)
+    if mask is None:
+        return bias
+    if mask.dtype == torch.bool:
+        return torch.where(mask, bias, lowest)
+    return mask.to(query.dtype) + bias
 
 
 def _packed_sequences(query, key, kwargs):
