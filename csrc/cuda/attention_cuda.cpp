@@ -19,6 +19,7 @@
 #include "ops/attention_params_filler.h"
 #include "ops/attention_shapes.h"
 
+#include <ATen/Context.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <ATen/ops/empty.h>
@@ -62,6 +63,14 @@ bool use_tensor_cores(const at::Tensor& query, const at::Tensor& value, bool bac
   const int d = flash_head_dim_group(dim_qk, dim_v);
   const size_t smem = backward ? flash_bwd::smem_bytes(d) : flash_fwd::smem_bytes(d);
   return smem <= prop->sharedMemPerBlockOptin;
+}
+
+// The tensor-core backward sums dQ with atomics, in an order that varies
+// from run to run; under torch.use_deterministic_algorithms(True) the
+// backward takes the simple kernels, which write each gradient row once.
+bool use_tensor_cores_in_backward(const at::Tensor& query, const at::Tensor& value) {
+  return !at::globalContext().deterministicAlgorithms() &&
+         use_tensor_cores(query, value, /*backward=*/true);
 }
 
 ops::RowLayout row_layout(bool tensor_cores) {
@@ -174,7 +183,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
                                        logsumexp, rng_state, attn_mask, dropout_p, scale,
                                        enable_gqa, variants, grad_logsumexp);
   const c10::cuda::CUDAGuard guard(query.device());
-  const bool tensor_cores = use_tensor_cores(query, value, /*backward=*/true);
+  const bool tensor_cores = use_tensor_cores_in_backward(query, value);
   ops::AttentionCall call(ops::kBackwardOp, query, key, value, attn_mask, is_causal, scale,
                           enable_gqa, variants, dropout_p, row_layout(tensor_cores));
   BackwardParams bp = call.backward(grad_out, out, logsumexp, rng_state, dropout_p);
@@ -243,7 +252,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward_cuda(
                                     logsumexp, rng_state, batch, dropout_p, scale, variants,
                                     grad_logsumexp);
   const c10::cuda::CUDAGuard guard(query.device());
-  const bool tensor_cores = use_tensor_cores(query, value, /*backward=*/true);
+  const bool tensor_cores = use_tensor_cores_in_backward(query, value);
   ops::AttentionCall call(ops::kVarlenBackwardOp, query, key, value, batch, is_causal, scale,
                           variants, dropout_p, row_layout(tensor_cores));
   BackwardParams bp = call.backward(grad_out, out, logsumexp, rng_state, dropout_p);

@@ -16,6 +16,20 @@ import torch
 from torch import Tensor
 
 
+def _check_deterministic(deterministic, name, *tensors):
+    """flash_attn's ``deterministic=True``: a CUDA backward without atomics. The flag cannot
+    travel with the autograd graph to the backward, so fusedmha's switch is PyTorch's own: under
+    ``torch.use_deterministic_algorithms(True)`` the CUDA backward takes the kernels that write
+    each gradient row once. Asking for it without that switch is an error, not a silent no-op.
+    (The CPU backward is always deterministic for a given thread count.)"""
+    if (deterministic and any(t.is_cuda and t.requires_grad for t in tensors)
+            and torch.is_grad_enabled() and not torch.are_deterministic_algorithms_enabled()):
+        raise RuntimeError(
+            f"fusedmha.{name}: deterministic=True on CUDA needs "
+            "torch.use_deterministic_algorithms(True) (or warn_only=True) while the backward "
+            "runs: the flag cannot reach the backward through autograd")
+
+
 def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                return_attn_probs, sinks):
     """q (B, L, H, E), k/v (B, S, H_kv, E) -> flash_attn's return values."""
@@ -65,15 +79,16 @@ def flash_attn_func(
     ``window_size=(left, right)``: query i sees keys within ``[i + S - L - left, i + S - L +
     right]`` (-1 = unbounded); ``softcap`` > 0 caps scores to ``softcap * tanh(s / softcap)``;
     ``alibi_slopes`` ``(H)`` or ``(B, H)`` add ``-slope * |i + S - L - j|``; ``sinks`` ``(H)``
-    joins each row's softmax denominator with no value. ``deterministic`` is accepted for
-    compatibility: the CPU backward is deterministic for a given thread count.
+    joins each row's softmax denominator with no value. ``deterministic=True`` on CUDA needs
+    ``torch.use_deterministic_algorithms(True)``, under which the CUDA backward runs without
+    atomics; the CPU backward is deterministic for a given thread count.
 
     Returns the output ``(B, L, H, E)``; with ``return_attn_probs``, also the log-sum-exp of
     each row ``(B, H, L)`` (float32) and the probabilities ``(B, H, L, S)``, negative where
     dropout dropped them (flash_attn's testing aid). Differentiable with respect to q, k, v and
     sinks.
     """
-    del deterministic
+    _check_deterministic(deterministic, "flash_attn_func", q, k, v)
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                       alibi_slopes, return_attn_probs, sinks)
 
@@ -93,7 +108,7 @@ def flash_attn_qkvpacked_func(
 ):
     """flash_attn.flash_attn_qkvpacked_func: ``qkv (B, L, 3, H, E)``, otherwise as
     :func:`flash_attn_func` (read through views: the packed tensor is not split by copies)."""
-    del deterministic
+    _check_deterministic(deterministic, "flash_attn_qkvpacked_func", qkv)
     q, k, v = qkv.unbind(2)
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                       alibi_slopes, return_attn_probs, sinks)
@@ -115,7 +130,7 @@ def flash_attn_kvpacked_func(
 ):
     """flash_attn.flash_attn_kvpacked_func: q ``(B, L, H, E)``, ``kv (B, S, 2, H_kv, E)``,
     otherwise as :func:`flash_attn_func`."""
-    del deterministic
+    _check_deterministic(deterministic, "flash_attn_kvpacked_func", q, kv)
     k, v = kv.unbind(2)
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                       alibi_slopes, return_attn_probs, sinks)
@@ -162,7 +177,7 @@ def flash_attn_varlen_func(
     zero outside each sequence and negative where dropout dropped them. Differentiable with
     respect to q, k, v and sinks.
     """
-    del deterministic
+    _check_deterministic(deterministic, "flash_attn_varlen_func", q, k, v)
     if block_table is not None and return_attn_probs:
         raise ValueError("fusedmha.flash_attn_varlen_func: return_attn_probs is not supported "
                          "with block_table (a paged KV cache)")

@@ -94,6 +94,37 @@ def test_float32_backward_is_deterministic():
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_deterministic_switch_removes_atomics_from_the_half_precision_backward(dtype):
+    """The tensor-core backward sums dQ with atomics; under use_deterministic_algorithms it
+    takes the atomic-free kernels: bitwise equal gradients, run after run."""
+    q, k, v = (rand(2, 4, 300, 64, dtype=dtype).requires_grad_() for _ in range(3))
+    grad = rand(2, 4, 300, 64, dtype=dtype)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = []
+        for _ in range(3):
+            out = fusedmha.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           causal=True, deterministic=True)
+            runs.append(torch.autograd.grad(out, (q, k, v), grad.transpose(1, 2)))
+    finally:
+        torch.use_deterministic_algorithms(before)
+    for run in runs[1:]:
+        for a, b in zip(run, runs[0]):
+            assert torch.equal(a, b)
+    q64 = q.detach().double().requires_grad_()
+    want = reference_attention(q64, k.detach().double(), v.detach().double(), is_causal=True)
+    want_dq, = torch.autograd.grad(want, q64, grad.double())
+    assert_close_to_truth(runs[0][0], want_dq, dtype=dtype, what="grad_q")
+
+
+def test_deterministic_flag_without_the_switch_is_an_error():
+    q = rand(1, 16, 2, 64).requires_grad_()
+    with pytest.raises(RuntimeError, match="flash_attn_func: deterministic=True on CUDA needs"):
+        fusedmha.flash_attn_func(q, q, q, deterministic=True)
+
 def test_cuda_graph_capture_with_dropout():
     q, k, v = (rand(2, 4, 128, 64).requires_grad_() for _ in range(3))
     static_grad = torch.randn(2, 4, 128, 64, device=DEV, dtype=torch.float16)
