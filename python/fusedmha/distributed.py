@@ -25,7 +25,10 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor, nn
+
+from fusedmha.modules import MultiheadAttention
 
 __all__ = ["shard", "unshard", "ring_attention", "ContextParallelMultiheadAttention",
            "context_parallel"]
@@ -281,3 +284,94 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group=None, causal: bool = F
         right = 0
     scale = 1.0 / math.sqrt(q.size(-1)) if softmax_scale is None else float(softmax_scale)
     return _RingAttention.apply(q, k, v, group, zigzag, scale, left, right)
+
+
+# --------------------------------------------------------------------------------------------
+# The module path.
+
+def _self_attention_only(module, args, kwargs):
+    """Forward pre-hook: context parallelism is for self-attention over this rank's shard.
+    (Being a hook also keeps nn.TransformerEncoderLayer off its fused inference fast path,
+    which would attend within the local shard only.)"""
+    query, key, value = (args[i] if i < len(args) else kwargs.get(name)
+                         for i, name in enumerate(("query", "key", "value")))
+    if not (query is key and key is value):
+        raise ValueError("fusedmha.distributed.ContextParallelMultiheadAttention: expected "
+                         "self-attention (query, key and value the same tensor: this rank's "
+                         "shard of the sequence)")
+
+
+class ContextParallelMultiheadAttention(MultiheadAttention):
+    """:class:`fusedmha.MultiheadAttention` whose self-attention runs over a sequence sharded
+    across the ranks of ``group``: each rank passes its shard (as :func:`shard` cuts it, on
+    the sequence dim: 0, or 1 with ``batch_first``) and gets its shard of the output. The
+    projections are per token; the attention is :func:`ring_attention`. Same parameters and
+    ``state_dict`` as nn.MultiheadAttention; wrap a model with :func:`context_parallel`.
+
+    Takes ``is_causal=True`` (the causal mask over the whole sequence; an ``attn_mask`` passed
+    with it is trusted to be that mask, as PyTorch does) and no other mask: a dense mask or a
+    key padding mask would cross shards. ``need_weights`` must be False (the weights of a row
+    span every rank), and ``bias_k``/``add_zero_attn`` are not supported. Dropout in training
+    is not supported yet (construct it with ``dropout=0.0``)."""
+
+    def __init__(self, *args, group=None, zigzag: Optional[bool] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.group, self.zigzag = group, zigzag
+        self.register_forward_pre_hook(_self_attention_only, with_kwargs=True)
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor,
+                key_padding_mask: Optional[Tensor] = None, need_weights: bool = True,
+                attn_mask: Optional[Tensor] = None, average_attn_weights: bool = True,
+                is_causal: bool = False) -> Tuple[Tensor, None]:
+        name = "fusedmha.distributed.ContextParallelMultiheadAttention"
+        if key_padding_mask is not None or (attn_mask is not None and not is_causal):
+            raise ValueError(f"{name}: masks are not supported (a dense mask or a key padding "
+                             "mask crosses shards); is_causal=True is")
+        if need_weights:
+            raise ValueError(f"{name}: need_weights=True is not supported (a row's weights span "
+                             "every rank); pass need_weights=False")
+        if self.bias_k is not None or self.add_zero_attn:
+            raise ValueError(f"{name}: add_bias_kv and add_zero_attn are not supported")
+        dropout_p = float(self.dropout) if self.training else 0.0
+        batched = query.dim() == 3
+        if not batched:
+            query = key = value = query.unsqueeze(1)
+        seq_first = not (self.batch_first and batched)
+        q, k, v = self._project(query, query, query, seq_first)  # (N, H, L, D) views
+        out = ring_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                             group=self.group, causal=is_causal, zigzag=self.zigzag,
+                             dropout_p=dropout_p)  # (N, L, H, D)
+        if seq_first:
+            out = out.transpose(0, 1)
+        out = F.linear(out.flatten(2), self.out_proj.weight, self.out_proj.bias)
+        return (out if batched else out.squeeze(1)), None
+
+
+def context_parallel(model: nn.Module, group=None, zigzag: Optional[bool] = None) -> nn.Module:
+    """Makes every ``nn.MultiheadAttention`` and ``fusedmha.MultiheadAttention`` in ``model`` a
+    :class:`ContextParallelMultiheadAttention` that shares its parameters (the same Parameter
+    objects: call it before building the optimizer or wrapping in DDP). The model then takes
+    this rank's shard of each sequence (:func:`shard`) and returns its shard of the outputs;
+    per-token layers (projections, feed-forward, norms) need nothing else. Returns model."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, (nn.MultiheadAttention, MultiheadAttention)) and not isinstance(
+                    child, ContextParallelMultiheadAttention):
+                setattr(parent, name, _converted(child, group, zigzag))
+    if isinstance(model, (nn.MultiheadAttention, MultiheadAttention)) and not isinstance(
+            model, ContextParallelMultiheadAttention):
+        return _converted(model, group, zigzag)
+    return model
+
+
+def _converted(m, group, zigzag):
+    cp = ContextParallelMultiheadAttention(
+        m.embed_dim, m.num_heads, dropout=m.dropout, bias=m.in_proj_bias is not None,
+        add_bias_kv=m.bias_k is not None, add_zero_attn=m.add_zero_attn, kdim=m.kdim,
+        vdim=m.vdim, batch_first=m.batch_first, device="meta", group=group, zigzag=zigzag)
+    for name in ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight",
+                 "in_proj_bias", "bias_k", "bias_v"):
+        setattr(cp, name, getattr(m, name))
+    cp.out_proj = m.out_proj
+    cp.train(m.training)
+    return cp

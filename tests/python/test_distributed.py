@@ -1,0 +1,52 @@
+"""fusedmha on torch.distributed, over 2 and 3 gloo processes on localhost: context-parallel
+(ring) attention, whose forward and every gradient equal the single-process op on the whole
+sequence, and MultiheadAttention under DDP and FSDP (what each rank runs:
+distributed_cases.py)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch.distributed as dist
+
+import distributed_cases
+from spawn_ranks import free_port, run_ranks
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch.distributed with gloo is not available")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ring_attention_matches_the_whole_sequence(world):
+    run_ranks(distributed_cases.all_cases, world)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_shard_and_unshard(world):
+    run_ranks(distributed_cases.shard_and_unshard, world)
+
+
+def test_bad_calls_get_clear_errors():
+    run_ranks(distributed_cases.errors, 2)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_context_parallel_encoder_layer(world):
+    run_ranks(distributed_cases.encoder_layer, world)
+
+
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
+def test_multihead_attention_under_data_parallelism(wrap):
+    run_ranks(distributed_cases.data_parallel, 2, wrap=wrap)
+
+
+def test_example_training_script_runs_under_torchrun():
+    """examples/python/train_context_parallel.py, as the README launches it (fewer steps)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    script = os.path.join(root, "examples", "python", "train_context_parallel.py")
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-port", str(free_port()), script, "--steps", "25"],
+                         capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "dp=1 x cp=2" in res.stdout and "step   25  loss" in res.stdout, res.stdout
