@@ -100,37 +100,40 @@ def unshard(x_local: Tensor, seq_dim: int = 1, group=None, zigzag: bool = False)
 def _pair(q_start: int, lq: int, k_start: int, lk: int, left: int, right: int):
     """Query row i (global q_start + i) sees key j (global k_start + j) iff
     i + d - left <= j <= i + d + right, d = q_start - k_start (-1: that side unbounded).
-    The kernels' band is j in [i - a, i + b] with a, b >= 0 or -1: drop the first t query
-    rows and s keys, which see nothing, until the diagonal lies inside the band. Returns
-    (t, s, a, b), or None when no row sees any key."""
+    Drops the leading and trailing query rows and the trailing keys that see nothing, and
+    places the band on the kernels' bottom-right diagonal (key j sees row i when
+    j - (i + nk - nq) lies in [-a, b]), which then always fits the runs. The keys are never
+    cut at the front: column j stays global column k_start + j, as the dropout stream needs.
+    Returns (t, nq, nk, a, b): rows t..t+nq and keys 0..nk; None when no row sees any key."""
     d = q_start - k_start
-    t = s = 0
-    if left >= 0 and d > left:
-        s = d - left
-    if right >= 0 and d < -right:
-        t = -right - d
-    if t >= lq or s >= lk:
+    t = max(0, -right - d) if right >= 0 else 0
+    end = min(lq, lk - d + left) if left >= 0 else lq
+    nq = end - t
+    nk = min(lk, end + d + right) if right >= 0 else lk
+    if nq <= 0 or nk <= 0:
         return None
-    d += t - s
-    a = -1 if left < 0 else left - d
-    b = -1 if right < 0 else right + d
-    if a >= lq - t - 1:  # every kept row's band starts at or before key 0
+    diagonal = nk - nq  # of the kernels, in the kept rows' coordinates
+    shift = d + t - diagonal  # where the band's diagonal lies against it
+    a = -1 if left < 0 else left - shift
+    b = -1 if right < 0 else right + shift
+    assert a >= -1 and b >= -1, (q_start, lq, k_start, lk, left, right)
+    if a >= nk - 1:  # every kept row's band starts at or before key 0
         a = -1
-    if b >= lk - s - 1:  # ... and ends at or past the last key
+    if b >= nq - 1:  # ... and ends at or past the last key
         b = -1
-    return t, s, a, b
+    return t, nq, nk, a, b
 
 
 def _pairs(rank, src, world, local_len, zigzag, left, right):
     """The pairs of this rank's query runs with the key runs of rank src, as
-    (q rows, k rows, a, b) with rows = (local start, length)."""
+    (q rows, k rows, a, b, global row, global column) with rows = (local start, length)."""
     out = []
     for qs, lq, ql in _segments(rank, world, local_len, zigzag):
         for ks, lk, kl in _segments(src, world, local_len, zigzag):
             p = _pair(qs, lq, ks, lk, left, right)
             if p is not None:
-                t, s, a, b = p
-                out.append(((ql + t, lq - t), (kl + s, lk - s), a, b))
+                t, nq, nk, a, b = p
+                out.append(((ql + t, nq), (kl, nk), a, b, qs + t, ks))
     return out
 
 
@@ -164,7 +167,7 @@ def _merge_into(out_acc, lse_acc, rows, out, lse):
 
 
 def _band(a, b):
-    return dict(window_left=a, window_right=b, bottom_right=False)
+    return dict(window_left=a, window_right=b, bottom_right=True)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -183,7 +186,7 @@ class _RingAttention(torch.autograd.Function):
             if step < world - 1:
                 requests, nxt = _exchange(cur, group, world, rank, tag=0)
             src = (rank - step) % world
-            for (qr, kr, a, b) in _pairs(rank, src, world, L, zigzag, left, right):
+            for (qr, kr, a, b, row0, col0) in _pairs(rank, src, world, L, zigzag, left, right):
                 out, lse, rng = torch.ops.fusedmha.attention_forward(
                     qh.narrow(2, *qr), cur[0].narrow(2, *kr), cur[1].narrow(2, *kr), None, 0.0,
                     False, scale, gqa, **_band(a, b))
@@ -214,7 +217,7 @@ class _RingAttention(torch.autograd.Function):
             src = (rank - step) % world
             dk = torch.zeros(cur[0].shape, dtype=acc, device=qh.device)
             dv = torch.zeros(cur[1].shape, dtype=acc, device=qh.device)
-            for (qr, kr, a, b) in _pairs(rank, src, world, L, zigzag, left, right):
+            for (qr, kr, a, b, row0, col0) in _pairs(rank, src, world, L, zigzag, left, right):
                 rows = lambda t: t.narrow(2, *qr)  # noqa: E731
                 g_q, g_k, g_v = torch.ops.fusedmha.attention_backward(
                     rows(gh), rows(qh), cur[0].narrow(2, *kr), cur[1].narrow(2, *kr),

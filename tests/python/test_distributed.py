@@ -50,3 +50,38 @@ def test_example_training_script_runs_under_torchrun():
                          capture_output=True, text=True, timeout=300, env=dict(os.environ))
     assert res.returncode == 0, res.stdout + res.stderr
     assert "dp=1 x cp=2" in res.stdout and "step   25  loss" in res.stdout, res.stdout
+
+
+def test_pair_bands_see_exactly_the_keys_of_the_global_band():
+    """Every (query run, key run) placement that _pair returns, read as the kernels read it
+    (bottom-right band [-a, b], -1 unbounded), covers exactly the global band's keys."""
+    import random
+
+    import torch
+
+    from fusedmha.distributed import _pair
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        lq, lk = rng.randint(1, 12), rng.randint(1, 12)
+        q0, k0 = rng.randint(0, 30), rng.randint(0, 30)
+        left, right = rng.choice([-1, 0, 1, 3, 8, 20]), rng.choice([-1, 0, 1, 3, 8, 20])
+        i = torch.arange(lq).view(-1, 1) + q0
+        j = torch.arange(lk).view(1, -1) + k0
+        want = torch.ones(lq, lk, dtype=torch.bool)
+        if left >= 0:
+            want &= j >= i - left
+        if right >= 0:
+            want &= j <= i + right
+        got = torch.zeros(lq, lk, dtype=torch.bool)
+        placed = _pair(q0, lq, k0, lk, left, right)
+        if placed is not None:
+            t, nq, nk, a, b = placed
+            ii, jj = torch.arange(nq).view(-1, 1), torch.arange(nk).view(1, -1)
+            band = torch.ones(nq, nk, dtype=torch.bool)
+            if a >= 0:
+                band &= jj >= ii + nk - nq - a
+            if b >= 0:
+                band &= jj <= ii + nk - nq + b
+            got[t:t + nq, :nk] = band
+        assert torch.equal(got, want), (q0, lq, k0, lk, left, right, placed)
