@@ -76,10 +76,16 @@ struct DropoutParams {
   const int64_t* state_in = nullptr;
   // The CUDA forward writes (seed, offset) here, (0, 0) without dropout.
   int64_t* state_out = nullptr;
+  // Where this call's rows and columns start in the sequence the stream is
+  // drawn for: (0, 0) but in a ring step; col_offset is a multiple of 4.
+  int64_t row_offset = 0;
+  int64_t col_offset = 0;
 
   FUSEDMHA_HOST_DEVICE bool on() const { return p > 0.0; }
   // The stream when it is given by value (the CPU kernels).
-  FUSEDMHA_HOST_DEVICE DropoutStream stream() const { return {seed, offset}; }
+  FUSEDMHA_HOST_DEVICE DropoutStream stream() const {
+    return {seed, offset, row_offset, col_offset / 4};
+  }
 };
 
 // Sequences of their own lengths in one call (FlashAttention's varlen and

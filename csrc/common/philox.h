@@ -49,12 +49,17 @@ FUSEDMHA_HOST_DEVICE Philox4x32 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t
 // column j) of an attention call with rng state (seed, offset) is kept iff
 // its 32-bit number is >= threshold(p). One Philox call covers 4 consecutive
 // columns: counter (j / 4, i, o, offset), key = the seed's two halves.
+// A call on a part of a longer sequence (a ring step of context
+// parallelism) counts its rows and columns from where the part starts in
+// it, row and 4·col4, and so draws the numbers of the whole sequence.
 struct DropoutStream {
   uint64_t seed = 0;
   uint64_t offset = 0;
+  int64_t row = 0;
+  int64_t col4 = 0;
 
   FUSEDMHA_HOST_DEVICE Philox4x32 block(int64_t o, int64_t i, int64_t j4) const {
-    return philox4x32_10(static_cast<uint32_t>(j4), static_cast<uint32_t>(i),
+    return philox4x32_10(static_cast<uint32_t>(j4 + col4), static_cast<uint32_t>(i + row),
                          static_cast<uint32_t>(o), counter3(o), static_cast<uint32_t>(seed),
                          static_cast<uint32_t>(seed >> 32));
   }

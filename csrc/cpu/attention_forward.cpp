@@ -33,12 +33,15 @@ DropoutParams draw_dropout(double dropout_p) {
   return d;
 }
 
-// Runs the forward pass p on the intra-op threads with a fresh dropout
-// stream, which it records in rng_state.
-void run_forward(AttentionParams p, double dropout_p, const at::Tensor& rng_state) {
-  p.dropout = draw_dropout(dropout_p);
-  rng_state[0] = static_cast<int64_t>(p.dropout.seed);
-  rng_state[1] = static_cast<int64_t>(p.dropout.offset);
+// Runs the forward pass p on the intra-op threads; with `draw`, with a
+// fresh dropout stream, which it records in rng_state (else p has it).
+void run_forward(AttentionParams p, double dropout_p, const at::Tensor& rng_state,
+                 bool draw = true) {
+  if (draw) {
+    p.dropout = draw_dropout(dropout_p);
+    rng_state[0] = static_cast<int64_t>(p.dropout.seed);
+    rng_state[1] = static_cast<int64_t>(p.dropout.offset);
+  }
   const IsaKernels kernels = selected_kernels();
   WorkSplit split = kernels.forward_configure(p, available_threads());
   at::Tensor partials;
@@ -63,15 +66,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cpu(
     const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
     std::optional<double> scale, bool enable_gqa, int64_t window_left, int64_t window_right, bool bottom_right,
     double softcap, const std::optional<at::Tensor>& alibi_slopes,
-    const std::optional<at::Tensor>& sinks) {
+    const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& dropout_state) {
   const AttentionVariants variants{window_left, window_right, bottom_right, softcap,
                                    alibi_slopes, sinks};
   ops::check_attention_inputs(ops::kForwardOp, query, key, value, attn_mask, dropout_p, scale,
                               enable_gqa, variants);
+  ops::check_dropout_state(ops::kForwardOp, dropout_state);
   auto [out, lse, rng_state] = ops::allocate_attention_outputs(query, key, value, enable_gqa);
   ops::AttentionCall call(ops::kForwardOp, query, key, value, attn_mask, is_causal, scale,
                           enable_gqa, variants, dropout_p);
-  run_forward(call.forward(out, lse), dropout_p, rng_state);
+  AttentionParams p = call.forward(out, lse);
+  if (dropout_state.has_value()) {
+    rng_state = ops::returned_rng_state(rng_state, dropout_state);
+    p.dropout = call.replay_dropout(rng_state, dropout_p);
+  }
+  run_forward(p, dropout_p, rng_state, /*draw=*/!dropout_state.has_value());
   return {out, lse, rng_state};
 }
 

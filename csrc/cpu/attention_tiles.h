@@ -332,8 +332,8 @@ inline void philox_words(const DropoutStream& stream, int64_t o, int64_t i, int6
   const __m256i mul0 = _mm256_set1_epi64x(0xD2511F53ll), mul1 = _mm256_set1_epi64x(0xCD9E8D57ll);
   __m256i c0[V], c1[V], c2[V], c3[V];
   for (int v = 0; v < V; ++v) {
-    c0[v] = _mm256_set1_epi64x(static_cast<uint32_t>(j4));
-    c1[v] = _mm256_and_si256(_mm256_add_epi64(_mm256_set1_epi64x(static_cast<uint32_t>(i) + 4ll * v),
+    c0[v] = _mm256_set1_epi64x(static_cast<uint32_t>(j4 + stream.col4));
+    c1[v] = _mm256_and_si256(_mm256_add_epi64(_mm256_set1_epi64x(static_cast<uint32_t>(i + stream.row) + 4ll * v),
                                               _mm256_set_epi64x(3, 2, 1, 0)),
                              low);
     c2[v] = _mm256_set1_epi64x(static_cast<uint32_t>(o));

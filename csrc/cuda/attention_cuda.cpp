@@ -148,11 +148,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(
     const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
     std::optional<double> scale, bool enable_gqa, int64_t window_left, int64_t window_right, bool bottom_right,
     double softcap, const std::optional<at::Tensor>& alibi_slopes,
-    const std::optional<at::Tensor>& sinks) {
+    const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& dropout_state) {
   const AttentionVariants variants{window_left, window_right, bottom_right, softcap,
                                    alibi_slopes, sinks};
   ops::check_attention_inputs(ops::kForwardOp, query, key, value, attn_mask, dropout_p, scale,
                               enable_gqa, variants);
+  ops::check_dropout_state(ops::kForwardOp, dropout_state);
   const c10::cuda::CUDAGuard guard(query.device());
   auto [out, lse, rng_state] = ops::allocate_attention_outputs(query, key, value, enable_gqa);
   const bool tensor_cores = use_tensor_cores(query, value, /*backward=*/false);
@@ -161,11 +162,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(
   AttentionParams p = call.forward(out, lse);
   check_launch_size(p);
   if (p.num_outer * p.len_q == 0) {
+    if (dropout_state.has_value()) return {out, lse, ops::returned_rng_state(rng_state, dropout_state)};
     rng_state.zero_();  // (no kernel runs to write it)
     return {out, lse, rng_state};
   }
-  p.dropout = draw_dropout(dropout_p);
-  p.dropout.state_out = rng_state.mutable_data_ptr<int64_t>();
+  if (dropout_state.has_value()) {  // a given stream (read on the device), returned as is
+    rng_state = ops::returned_rng_state(rng_state, dropout_state);
+    p.dropout = call.replay_dropout(rng_state, dropout_p);
+  } else {
+    p.dropout = draw_dropout(dropout_p);
+    p.dropout.state_out = rng_state.mutable_data_ptr<int64_t>();
+  }
   launch_forward(query, p, tensor_cores);
   return {out, lse, rng_state};
 }

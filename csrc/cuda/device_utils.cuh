@@ -123,14 +123,16 @@ __device__ __forceinline__ A transformed_score(const AttentionParams& p, A s, A 
 // The dropout stream of this call: the forward draws it, the backward and
 // the weights pass read it back from rng_state (a device tensor).
 __device__ __forceinline__ DropoutStream dropout_stream(const AttentionParams& p) {
+  const int64_t row = p.dropout.row_offset, col4 = p.dropout.col_offset / 4;
   if (p.dropout.state_in != nullptr) {
-    return {static_cast<uint64_t>(p.dropout.state_in[0]), static_cast<uint64_t>(p.dropout.state_in[1])};
+    return {static_cast<uint64_t>(p.dropout.state_in[0]),
+            static_cast<uint64_t>(p.dropout.state_in[1]), row, col4};
   }
   if (p.dropout.seed_ptr != nullptr) {
     return {static_cast<uint64_t>(*p.dropout.seed_ptr),
-            static_cast<uint64_t>(*p.dropout.offset_ptr) + p.dropout.offset};
+            static_cast<uint64_t>(*p.dropout.offset_ptr) + p.dropout.offset, row, col4};
   }
-  return {p.dropout.seed, p.dropout.offset};
+  return {p.dropout.seed, p.dropout.offset, row, col4};
 }
 
 // Word `index` (0..3, known only at run time) of a Philox block, by

@@ -20,7 +20,7 @@ using OptTensor = std::optional<at::Tensor>;
 
 using ForwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, double, bool,
-    std::optional<double>, bool, FUSEDMHA_VARIANT_TYPES);
+    std::optional<double>, bool, FUSEDMHA_VARIANT_TYPES, const OptTensor&);
 using BackwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, double, bool,
@@ -89,10 +89,10 @@ at::Tensor scaled_dot_product_attention(const at::Tensor& query, const at::Tenso
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const OptTensor& attn_mask, double dropout_p, bool is_causal, std::optional<double> scale,
-    bool enable_gqa, const AttentionVariants& variants) {
+    bool enable_gqa, const AttentionVariants& variants, const OptTensor& dropout_state) {
   static const auto op = find_op<ForwardSignature>("fusedmha::attention_forward");
   return op.call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                 FUSEDMHA_VARIANT_ARGS(variants));
+                 FUSEDMHA_VARIANT_ARGS(variants), dropout_state);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(

@@ -28,12 +28,14 @@ struct Autocast {
       const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
       const OptTensor& attn_mask, double dropout_p, bool is_causal, std::optional<double> scale,
       bool enable_gqa, int64_t window_left, int64_t window_right, bool bottom_right,
-      double softcap, const OptTensor& alibi_slopes, const OptTensor& sinks) {
+      double softcap, const OptTensor& alibi_slopes, const OptTensor& sinks,
+      const OptTensor& dropout_state) {
     const c10::impl::ExcludeDispatchKeyGuard no_autocast(
         at::autocast::get_autocast_dispatch_key_from_device_type(kDevice));
     return attention_forward(cast(query), cast(key), cast(value), cast(attn_mask), dropout_p,
                              is_causal, scale, enable_gqa,
-                             {window_left, window_right, bottom_right, softcap, alibi_slopes, sinks});
+                             {window_left, window_right, bottom_right, softcap, alibi_slopes, sinks},
+                             dropout_state);
   }
 
   static at::Tensor weights(const at::Tensor& query, const at::Tensor& key,

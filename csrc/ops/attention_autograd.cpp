@@ -93,13 +93,15 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
                                bool is_causal, std::optional<double> scale, bool enable_gqa,
                                int64_t window_left, int64_t window_right, bool bottom_right,
                                double softcap, const std::optional<at::Tensor>& alibi_slopes,
-                               const std::optional<at::Tensor>& sinks) {
+                               const std::optional<at::Tensor>& sinks,
+                               const std::optional<at::Tensor>& dropout_state) {
     at::AutoDispatchBelowADInplaceOrView guard;
     const AttentionCall call{attn_mask, dropout_p, is_causal, scale, enable_gqa,
                              {window_left, window_right, bottom_right, softcap, alibi_slopes,
                               sinks}};
-    auto [out, lse, rng_state] = fusedmha::attention_forward(
-        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, call.variants);
+    auto [out, lse, rng_state] =
+        fusedmha::attention_forward(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                    enable_gqa, call.variants, dropout_state);
     // The log-sum-exp is differentiable (a merge of partial results weighs by
     // it); the rng state is not.
     ctx->mark_non_differentiable({rng_state});
@@ -118,7 +120,7 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     auto [dq, dk, dv] = fusedmha::attention_backward(
         grad_out, saved[0], saved[1], saved[2], out, saved[4], saved[5], call.attn_mask,
         call.dropout_p, call.is_causal, call.scale, call.enable_gqa, call.variants, grad_lse);
-    variable_list result(14);
+    variable_list result(15);
     result[0] = dq;
     result[1] = dk;
     result[2] = dv;
@@ -382,12 +384,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_autograd(
     const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
     std::optional<double> scale, bool enable_gqa, int64_t window_left, int64_t window_right,
     bool bottom_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
-    const std::optional<at::Tensor>& sinks) {
+    const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& dropout_state) {
   check_mask_needs_no_grad(kForwardOp, attn_mask);
   check_slopes_need_no_grad(kForwardOp, alibi_slopes);
   auto outputs = AttentionFunction::apply(query, key, value, attn_mask, dropout_p, is_causal,
                                           scale, enable_gqa, window_left, window_right,
-                                          bottom_right, softcap, alibi_slopes, sinks);
+                                          bottom_right, softcap, alibi_slopes, sinks, dropout_state);
   return {outputs[0], outputs[1], outputs[2]};
 }
 

@@ -13,10 +13,12 @@ namespace {
 void check_saved_state(const char* op, const at::Tensor& query, const at::Tensor& key,
                        const at::Tensor& value, const at::Tensor& logsumexp,
                        const at::Tensor& rng_state, bool enable_gqa) {
-  TORCH_CHECK(rng_state.dim() == 1 && rng_state.sym_size(0) == 2 &&
+  TORCH_CHECK(rng_state.dim() == 1 &&
+                  (rng_state.sym_size(0) == 2 || rng_state.sym_size(0) == 4) &&
                   rng_state.scalar_type() == at::kLong,
-              op, ": expected rng_state as attention_forward returns it (int64 of shape [2]), "
-              "got ", rng_state.scalar_type(), " of shape ", shape_str(rng_state.sym_sizes()));
+              op, ": expected rng_state as attention_forward returns it (int64 of shape [2], "
+              "or [4] with a dropout_state that has a position), got ", rng_state.scalar_type(),
+              " of shape ", shape_str(rng_state.sym_sizes()));
   const at::Tensor expected_lse = std::get<1>(allocate_attention_outputs(
       query.to(at::kMeta), key.to(at::kMeta), value.to(at::kMeta), enable_gqa));
   TORCH_CHECK(logsumexp.sym_sizes() == expected_lse.sym_sizes() &&
@@ -72,6 +74,27 @@ void check_grad_logsumexp(const char* op, const std::optional<at::Tensor>& grad_
 }
 
 }  // namespace
+
+void check_dropout_state(const char* op, const std::optional<at::Tensor>& dropout_state) {
+  if (!dropout_state.has_value()) return;
+  const at::Tensor& s = *dropout_state;
+  TORCH_CHECK(s.dim() == 1 && (s.sym_size(0) == 2 || s.sym_size(0) == 4) &&
+                  s.scalar_type() == at::kLong,
+              op, ": expected dropout_state int64 [seed, offset] or [seed, offset, row, column], "
+              "got ", s.scalar_type(), " of shape ", shape_str(s.sym_sizes()));
+}
+
+void check_dropout_position(const char* op, int64_t row, int64_t column) {
+  TORCH_CHECK(row >= 0 && column >= 0 && column % 4 == 0, op,
+              ": expected dropout_state's row >= 0 and column a multiple of 4 (>= 0), got row ",
+              row, " and column ", column);
+}
+
+at::Tensor returned_rng_state(const at::Tensor& drawn,
+                              const std::optional<at::Tensor>& dropout_state) {
+  if (!dropout_state.has_value()) return drawn;
+  return dropout_state->to(drawn.device(), /*non_blocking=*/false, /*copy=*/true);
+}
 
 void check_attention_inputs(const char* op,
                             const at::Tensor& query,

@@ -25,6 +25,17 @@ inline constexpr const char* kSdpaOp = "fusedmha.scaled_dot_product_attention";
 inline constexpr const char* kVarlenForwardOp = "fusedmha.varlen_attention_forward";
 inline constexpr const char* kVarlenBackwardOp = "fusedmha.varlen_attention_backward";
 
+// dropout_state of attention_forward: int64 [seed, offset] or [seed, offset,
+// row, column] with row >= 0 and column a multiple of 4, >= 0.
+// (Its values, where they are read: check_dropout_position.)
+void check_dropout_state(const char* op, const std::optional<at::Tensor>& dropout_state);
+void check_dropout_position(const char* op, int64_t row, int64_t column);
+
+// The rng_state a forward call returns: the one it drew (allocated as
+// `drawn`), or dropout_state when given (a copy, on the CPU).
+at::Tensor returned_rng_state(const at::Tensor& drawn,
+                              const std::optional<at::Tensor>& dropout_state);
+
 // query (..., L, E), key (..., S, E), value (..., S, Ev): dtypes, devices,
 // matching dims, broadcastable batch/head dims (or GQA), attn_mask dtype and
 // shape, dropout_p in [0, 1), scale finite and >= 0, and the variants: window

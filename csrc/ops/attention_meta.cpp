@@ -18,10 +18,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_meta(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const OptTensor& attn_mask, double dropout_p, bool is_causal, std::optional<double> scale,
     bool enable_gqa, int64_t window_left, int64_t window_right, bool bottom_right,
-    double softcap, const OptTensor& alibi_slopes, const OptTensor& sinks) {
+    double softcap, const OptTensor& alibi_slopes, const OptTensor& sinks,
+    const OptTensor& dropout_state) {
   check_attention_inputs(kForwardOp, query, key, value, attn_mask, dropout_p, scale, enable_gqa,
                          {window_left, window_right, bottom_right, softcap, alibi_slopes, sinks});
-  return allocate_attention_outputs(query, key, value, enable_gqa);
+  check_dropout_state(kForwardOp, dropout_state);
+  auto outputs = allocate_attention_outputs(query, key, value, enable_gqa);
+  return {std::get<0>(outputs), std::get<1>(outputs),
+          returned_rng_state(std::get<2>(outputs), dropout_state)};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_meta(

@@ -1,5 +1,6 @@
 #include "ops/attention_params_filler.h"
 
+#include "ops/attention_checks.h"
 #include "ops/attention_shapes.h"
 
 #include <ATen/ops/arange.h>
@@ -77,7 +78,7 @@ AttentionCall::AttentionCall(const char* op, const at::Tensor& query, const at::
                              bool is_causal, std::optional<double> scale, bool enable_gqa,
                              const AttentionVariants& variants, double dropout_p,
                              RowLayout layout, bool pack_query_heads)
-    : query_(query), layout_(layout) {
+    : op_(op), query_(query), layout_(layout) {
   for (const c10::SymInt& s : attention_outer_shape(op, query, key, value, enable_gqa)) {
     outer_shape_.push_back(s.expect_int());
   }
@@ -109,7 +110,7 @@ AttentionCall::AttentionCall(const char* op, const at::Tensor& query, const at::
                              const at::Tensor& value, const PackedBatch& batch, bool is_causal,
                              std::optional<double> scale, const AttentionVariants& variants,
                              double dropout_p, RowLayout layout)
-    : query_(query), layout_(layout), packed_batch_(true) {
+    : op_(op), query_(query), layout_(layout), packed_batch_(true) {
   outer_shape_ = {batch.cu_seqlens_q.size(0) - 1, query.size(1)};
   if (packs_query_heads(query, key, batch, is_causal, variants, dropout_p)) {
     group_ = query.size(1) / key.size(batch.block_table.has_value() ? 2 : 1);
@@ -291,6 +292,12 @@ DropoutParams AttentionCall::replay_dropout(const at::Tensor& rng_state, double 
   if (dropout_p <= 0) return d;
   d.p = dropout_p;
   d.threshold = dropout_threshold(dropout_p);
+  if (rng_state.numel() == 4) {  // a part of a longer sequence: where it starts
+    const at::Tensor position = rng_state.narrow(0, 2, 2).cpu();
+    d.row_offset = position[0].item<int64_t>();
+    d.col_offset = position[1].item<int64_t>();
+    check_dropout_position(op_, d.row_offset, d.col_offset);
+  }
   if (query_.is_cpu()) {
     const at::Tensor state = rng_state.cpu();
     d.seed = static_cast<uint64_t>(state[0].item<int64_t>());

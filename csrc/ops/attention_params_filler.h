@@ -108,6 +108,11 @@ class AttentionCall {
   // The inputs alone (no outputs, dropout off).
   const AttentionParams& inputs() const { return inputs_; }
 
+  // The dropout stream of rng_state as a forward call returned it (or as
+  // dropout_state gave it: [seed, offset] or [seed, offset, row, column]);
+  // off when dropout_p is 0.
+  DropoutParams replay_dropout(const at::Tensor& rng_state, double dropout_p);
+
  private:
   // The outer shape (outer_shape_) into inputs_.outer and num_outer.
   void set_outer_shape(const char* op);
@@ -134,10 +139,8 @@ class AttentionCall {
   // t (..., H, 1, cols) as the kernels see it: (..., H_kv, G, cols) when the
   // query heads are packed, else t itself.
   at::Tensor packed(const at::Tensor& t) const;
-  // The dropout stream a forward call drew (rng_state as it returned it);
-  // off when dropout_p is 0.
-  DropoutParams replay_dropout(const at::Tensor& rng_state, double dropout_p);
 
+  const char* op_;  // the entry point, as error messages start
   at::Tensor query_;
   RowLayout layout_;
   std::vector<int64_t> outer_shape_;  // batch dims..., heads (sizes 1 included)

@@ -17,11 +17,15 @@ TORCH_LIBRARY(fusedmha, m) {
   // query's device when dropout_p > 0): what the backward needs to
   // recompute and replay it.
   // Unlike scaled_dot_product_attention it accepts attn_mask together with
-  // is_causal: both apply.
+  // is_causal: both apply. dropout_state, int64 [seed, offset] or [seed,
+  // offset, row, column], is a stream to use instead of drawing one: with
+  // row and column, the call is the part of a longer sequence that starts
+  // there (a ring step of context parallelism), and drops what a call on
+  // the whole sequence would; it is returned as rng_state.
   m.def(
       "attention_forward(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, "
       "float dropout_p=0.0, bool is_causal=False, float? scale=None, bool enable_gqa=False, "
-      VARIANTS ") -> (Tensor output, Tensor logsumexp, Tensor rng_state)");
+      VARIANTS ", Tensor? dropout_state=None) -> (Tensor output, Tensor logsumexp, Tensor rng_state)");
   // Gradients of attention_forward's output (and, when grad_logsumexp is
   // given, of its log-sum-exp) with respect to query, key and value (a float
   // attn_mask gets none), recomputed tile by tile from the saved output and

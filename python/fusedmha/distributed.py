@@ -15,7 +15,7 @@ and log-sum-exp, keeps dQ, and sends dK/dV around the ring with the K/V until th
 their owner. Each rank holds its shard plus one K/V shard (and, in the backward, one dK/dV
 accumulator) in flight.
 
-With ``causal``, contiguous shards give rank W-1 W times the work of rank 0; the zigzag
+With ``causal``, contiguous shards give rank W-1 2W-1 times the work of rank 0; the zigzag
 layout (rank r holds chunks r and 2W-1-r of 2W) gives every rank the same.
 See docs/distributed.md for the cost model.
 """
@@ -166,13 +166,31 @@ def _merge_into(out_acc, lse_acc, rows, out, lse):
     l.copy_(total)
 
 
+def _draw_dropout_state(group, device) -> Tensor:
+    """The dropout stream of one ring call, [seed, offset]: drawn from the default generator
+    on the group's first rank, the same on every rank."""
+    state = torch.empty(2, dtype=torch.int64).random_()
+    if device.type == "cuda":
+        state = state.to(device)
+    dist.broadcast(state, group_src=0, group=group)
+    return state.cpu()
+
+
+def _pair_stream(state, dropout_p, row0, col0):
+    """A pair's dropout_state: the call's stream, positioned at the pair's global first row
+    and column, so that it drops what a call on the whole sequence drops."""
+    if dropout_p == 0.0:
+        return None
+    return torch.tensor([int(state[0]), int(state[1]), row0, col0], dtype=torch.int64)
+
+
 def _band(a, b):
     return dict(window_left=a, window_right=b, bottom_right=True)
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, zigzag, scale, left, right):
+    def forward(ctx, q, k, v, group, zigzag, scale, left, right, dropout_p):
         # (B, L, H, E) -> the ops' (B, H, L, E), as views.
         qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         world, rank = _world(group)
@@ -181,29 +199,31 @@ class _RingAttention(torch.autograd.Function):
         out_acc = qh.new_zeros(qh.shape[:-1] + (vh.size(-1),), dtype=acc)
         lse_acc = qh.new_full(qh.shape[:-1], -math.inf, dtype=acc)
         cur = (kh.contiguous(), vh.contiguous())
-        rng = None  # (no dropout: what the backward op takes as the stream)
+        state = _draw_dropout_state(group, q.device) if dropout_p > 0 else torch.zeros(2, dtype=torch.int64)
+        rng = None  # (without dropout: what the backward op takes as the stream)
         for step in range(world):
             if step < world - 1:
                 requests, nxt = _exchange(cur, group, world, rank, tag=0)
             src = (rank - step) % world
             for (qr, kr, a, b, row0, col0) in _pairs(rank, src, world, L, zigzag, left, right):
                 out, lse, rng = torch.ops.fusedmha.attention_forward(
-                    qh.narrow(2, *qr), cur[0].narrow(2, *kr), cur[1].narrow(2, *kr), None, 0.0,
-                    False, scale, gqa, **_band(a, b))
+                    qh.narrow(2, *qr), cur[0].narrow(2, *kr), cur[1].narrow(2, *kr), None,
+                    dropout_p, False, scale, gqa, **_band(a, b),
+                    dropout_state=_pair_stream(state, dropout_p, row0, col0))
                 _merge_into(out_acc, lse_acc, qr, out, lse)
             if step < world - 1:
                 _wait(requests)
                 cur = tuple(nxt)
         out = out_acc.to(q.dtype)
         lse = torch.where(lse_acc == -math.inf, math.inf, lse_acc)
-        ctx.save_for_backward(qh, kh, vh, out, lse, rng)
-        ctx.config = (group, zigzag, scale, left, right)
+        ctx.save_for_backward(qh, kh, vh, out, lse, rng, state)
+        ctx.config = (group, zigzag, scale, left, right, dropout_p)
         return out.transpose(1, 2)
 
     @staticmethod
     def backward(ctx, grad):
-        qh, kh, vh, out, lse, rng = ctx.saved_tensors
-        group, zigzag, scale, left, right = ctx.config
+        qh, kh, vh, out, lse, rng, state = ctx.saved_tensors
+        group, zigzag, scale, left, right, dropout_p = ctx.config
         world, rank = _world(group)
         L, gqa = qh.size(2), qh.size(1) != kh.size(1)
         gh = grad.transpose(1, 2)
@@ -221,8 +241,9 @@ class _RingAttention(torch.autograd.Function):
                 rows = lambda t: t.narrow(2, *qr)  # noqa: E731
                 g_q, g_k, g_v = torch.ops.fusedmha.attention_backward(
                     rows(gh), rows(qh), cur[0].narrow(2, *kr), cur[1].narrow(2, *kr),
-                    rows(out), lse.narrow(2, *qr), rng, None,
-                    0.0, False, scale, gqa, **_band(a, b))
+                    rows(out), lse.narrow(2, *qr),
+                    rng if dropout_p == 0.0 else _pair_stream(state, dropout_p, row0, col0),
+                    None, dropout_p, False, scale, gqa, **_band(a, b))
                 rows(dq).add_(g_q)
                 dk.narrow(2, *kr).add_(g_k)
                 dv.narrow(2, *kr).add_(g_v)
@@ -238,7 +259,7 @@ class _RingAttention(torch.autograd.Function):
             _wait(pending[0])
             dk, dv = pending[1]
         grads = (dq.to(qh.dtype), dk.to(kh.dtype), dv.to(vh.dtype))
-        return tuple(g.transpose(1, 2) for g in grads) + (None,) * 5
+        return tuple(g.transpose(1, 2) for g in grads) + (None,) * 6
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, group=None, causal: bool = False,
@@ -253,7 +274,10 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group=None, causal: bool = F
     sequence was sharded. Returns this rank's rows of the output, ``(B, L_local, H, E)``;
     differentiable with respect to q, k and v.
 
-    Dense masks are not taken (a mask would cross shards); dropout is not supported yet."""
+    ``dropout_p`` drops exactly what the single-process op drops on the whole sequence with the
+    same stream: the ring draws one (seed, offset) on its first rank, and each step's call
+    counts rows and columns from its shards' global positions. Dense masks are not taken (a
+    mask would cross shards)."""
     world, rank = _world(group)
     zigzag = causal if zigzag is None else bool(zigzag)
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -268,9 +292,12 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group=None, causal: bool = F
     if zigzag and q.size(1) % 2:
         raise ValueError(f"{_RING}: zigzag shards hold two chunks of one length; got L_local = "
                          f"{q.size(1)} (shard(..., zigzag=True) cuts them)")
-    if dropout_p != 0.0:
-        raise NotImplementedError(f"{_RING}: dropout is not supported yet (dropout_p = "
-                                  f"{dropout_p}); use dropout_p=0.0")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"{_RING}: dropout_p must be in [0, 1), got {dropout_p}")
+    chunk = q.size(1) // 2 if zigzag else q.size(1)
+    if dropout_p > 0.0 and chunk % 4:
+        raise ValueError(f"{_RING}: with dropout, each shard's chunks must be a multiple of 4 "
+                         f"long (the dropout stream draws 4 columns at a time); got {chunk}")
     if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
         raise ValueError(f"{_RING}: expected q, k, v of one floating dtype, got {q.dtype}, "
                          f"{k.dtype}, {v.dtype}")
@@ -286,7 +313,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group=None, causal: bool = F
     if causal:
         right = 0
     scale = 1.0 / math.sqrt(q.size(-1)) if softmax_scale is None else float(softmax_scale)
-    return _RingAttention.apply(q, k, v, group, zigzag, scale, left, right)
+    return _RingAttention.apply(q, k, v, group, zigzag, scale, left, right, float(dropout_p))
 
 
 # --------------------------------------------------------------------------------------------
@@ -314,8 +341,7 @@ class ContextParallelMultiheadAttention(MultiheadAttention):
     Takes ``is_causal=True`` (the causal mask over the whole sequence; an ``attn_mask`` passed
     with it is trusted to be that mask, as PyTorch does) and no other mask: a dense mask or a
     key padding mask would cross shards. ``need_weights`` must be False (the weights of a row
-    span every rank), and ``bias_k``/``add_zero_attn`` are not supported. Dropout in training
-    is not supported yet (construct it with ``dropout=0.0``)."""
+    span every rank), and ``bias_k``/``add_zero_attn`` are not supported."""
 
     def __init__(self, *args, group=None, zigzag: Optional[bool] = None, **kwargs):
         super().__init__(*args, **kwargs)

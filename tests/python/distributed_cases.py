@@ -23,7 +23,27 @@ CASES = {
     "float64_causal": (1, 3, 1, 24, 8, 8, torch.float64, dict(causal=True, softmax_scale=0.3)),
     "bfloat16_causal": (1, 2, 2, 96, 32, 32, torch.bfloat16, dict(causal=True)),
     "tiles": (1, 2, 2, 312, 64, 64, torch.float32, dict(causal=True)),
+    "dropout": (2, 2, 2, 48, 16, 16, torch.float32, dict(dropout_p=0.3)),
+    "dropout_causal_zigzag_gqa": (1, 4, 2, 48, 16, 16, torch.float32, dict(causal=True, dropout_p=0.2)),
+    "dropout_window": (1, 2, 2, 48, 16, 16, torch.float32, dict(window_size=(9, 2), dropout_p=0.25)),
 }
+
+
+def reference(q, k, v, kw):
+    """The single-process op on the whole sequence: flash_attn_func, or with dropout the op
+    given the stream the ring draws (the same seed before both)."""
+    causal, window = kw.get("causal", False), kw.get("window_size", (-1, -1))
+    if not kw.get("dropout_p"):
+        return fusedmha.flash_attn_func(q, k, v, causal=causal, window_size=window,
+                                        softmax_scale=kw.get("softmax_scale"))
+    torch.manual_seed(123)
+    state = cp._draw_dropout_state(None, q.device)
+    out, _, _ = torch.ops.fusedmha.attention_forward(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, kw["dropout_p"], causal,
+        kw.get("softmax_scale"), q.size(2) != k.size(2), window_left=window[0],
+        window_right=window[1], dropout_state=state)
+    torch.manual_seed(123)  # the ring draws the same stream
+    return out.transpose(1, 2)
 
 
 def close(got, want, dtype, what):
@@ -40,9 +60,7 @@ def check_case(name):
     v = torch.randn(B, L, H_kv, Ev, generator=g).to(dtype)
     grad = torch.randn(B, L, H, Ev, generator=g).to(dtype)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    want = fusedmha.flash_attn_func(*leaves, causal=kw.get("causal", False),
-                                    window_size=kw.get("window_size", (-1, -1)),
-                                    softmax_scale=kw.get("softmax_scale"))
+    want = reference(*leaves, kw)
     want.backward(grad)
     zigzag = kw.get("zigzag", kw.get("causal", False))
     local = [cp.shard(t, zigzag=zigzag).detach().requires_grad_() for t in (q, k, v)]
@@ -72,8 +90,8 @@ def shard_and_unshard(rank, world):
 def errors(rank, world):
     import pytest
     q = torch.randn(1, 8, 2, 16)
-    with pytest.raises(NotImplementedError, match="ring_attention: dropout"):
-        cp.ring_attention(q, q, q, dropout_p=0.1)
+    with pytest.raises(ValueError, match="ring_attention: with dropout, each shard's chunks must be a multiple of 4"):
+        cp.ring_attention(*(torch.randn(1, 6, 2, 16) for _ in range(3)), dropout_p=0.1)
     with pytest.raises(ValueError, match="ring_attention: every rank must hold a shard of the same length"):
         cp.ring_attention(*(torch.randn(1, 4 + 2 * rank, 2, 16) for _ in range(3)))
     with pytest.raises(ValueError, match="ring_attention: the 3 query heads"):

@@ -84,3 +84,41 @@ def test_dropout_with_mask_and_gqa(device):
     keep = kernel_keep_mask(rng, q, k, p)
     ref = reference_attention(q, k, v, attn_mask=mask, enable_gqa=True, keep=keep, dropout_p=p)
     torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=2e-5)
+
+
+def test_dropout_state_positions_a_part_of_a_longer_sequence():
+    """attention_forward(dropout_state=[seed, offset, row, column]) on rows row.. and keys
+    column.. of a sequence drops what a call on the whole sequence with [seed, offset] drops
+    there (context parallelism's ring steps rely on it), forward and backward."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 40, 16, generator=g) for _ in range(3))
+    p, seed, offset = 0.3, 1234567, 89
+    full = torch.tensor([seed, offset])
+    keep = torch.ops.fusedmha._dropout_keep_mask(full, 6, 40, 40, p).view(2, 3, 40, 40)
+    for row, col, n, m in [(0, 0, 40, 40), (7, 12, 20, 16), (33, 36, 7, 4)]:
+        qp = q[:, :, row:row + n].clone().requires_grad_()
+        kp, vp = (t[:, :, col:col + m].clone().requires_grad_() for t in (k, v))
+        state = torch.tensor([seed, offset, row, col])
+        out, lse, rng = torch.ops.fusedmha.attention_forward(qp, kp, vp, None, p, dropout_state=state)
+        assert torch.equal(rng, state)
+        part_keep = keep[:, :, row:row + n, col:col + m]
+        leaves = [t.detach().double().requires_grad_() for t in (qp, kp, vp)]
+        want = reference_attention(*leaves, keep=part_keep, dropout_p=p)
+        torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+        grad = torch.randn_like(out)
+        got = torch.autograd.grad(out, (qp, kp, vp), grad)
+        expected = torch.autograd.grad(want, leaves, grad.double())
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a.double(), b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("state, message", [
+    (torch.tensor([1, 2, 3]), r"dropout_state int64 \[seed, offset\]"),
+    (torch.tensor([1.0, 2.0]), r"dropout_state int64 \[seed, offset\]"),
+    (torch.tensor([1, 2, 0, 6]), "column a multiple of 4"),
+    (torch.tensor([1, 2, -1, 0]), "row >= 0"),
+])
+def test_bad_dropout_state_is_an_error(state, message):
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(RuntimeError, match="fusedmha.attention_forward: .*" + message):
+        torch.ops.fusedmha.attention_forward(q, q, q, None, 0.1, dropout_state=state)

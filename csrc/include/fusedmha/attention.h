@@ -68,7 +68,8 @@ FUSEDMHA_API std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward(
     bool is_causal = false,
     std::optional<double> scale = std::nullopt,
     bool enable_gqa = false,
-    const AttentionVariants& variants = {});
+    const AttentionVariants& variants = {},
+    const std::optional<at::Tensor>& dropout_state = std::nullopt);
 
 // The backward op (fusedmha::attention_backward): gradients with respect to
 // query, key and value, given the gradient of the output and what
