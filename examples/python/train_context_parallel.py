@@ -7,8 +7,10 @@ The W processes form a dp x cp grid: consecutive groups of `cp` ranks share one 
 sequences, each holding a zigzag shard of every sequence (fusedmha.distributed.shard), and run
 self-attention over the whole sequence with ring attention (the model's attention modules made
 context-parallel by fusedmha.distributed.context_parallel); the dp groups take different
-batches. DistributedDataParallel over all W ranks averages the gradients: with equal shards,
-that is the gradient of the mean loss over every token of the global batch.
+batches. DistributedDataParallel over all W ranks averages the gradients; each rank's loss is
+its tokens' summed loss over the global count of scored tokens, times W, so that average is
+the gradient of the mean loss over every scored token of the global batch (the ranks score
+different numbers of tokens: the first `lag` have nothing to copy).
 
 The task needs attention across shards: predict the token `lag` positions back (a copy task),
 with lag larger than a shard's chunks. Loss falls from ln(vocab) towards 0 as it learns.
@@ -87,18 +89,20 @@ def main():
         target[:, a.lag:] = tokens[:, :-a.lag]
         tokens, target = (cp.shard(t, seq_dim=1, group=cp_group, zigzag=True) for t in (tokens, target))
         logits = model(tokens, positions.expand_as(tokens))
-        # The mean over this rank's tokens; DDP averages it over the ranks.
-        loss = F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-100)
+        # DDP divides the summed gradients by W: scale by W over the global token count.
+        scored = (target >= 0).sum().float()
+        dist.all_reduce(scored)
+        loss = F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-100,
+                               reduction="sum") * (world / scored)
         opt.zero_grad()
         loss.backward()
         opt.step()
         if step % 25 == 0 or step == a.steps:
-            stats = torch.stack([loss.detach(), (logits.argmax(-1) == target).float().sum(),
-                                 (target >= 0).float().sum()])
+            stats = torch.stack([loss.detach(), (logits.argmax(-1) == target).float().sum()])
             dist.all_reduce(stats)
             if rank == 0:
                 print(f"step {step:4d}  loss {stats[0].item() / world:.3f}  "
-                      f"copy accuracy {stats[1].item() / stats[2].item():.1%}", flush=True)
+                      f"copy accuracy {stats[1].item() / scored.item():.1%}", flush=True)
     dist.destroy_process_group()
 
 
