@@ -105,6 +105,9 @@ std::tuple<Tensor, Tensor> multihead_attention_core(
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, kModule,
               ": expected projected q, k, v of shape (N, H, L, D), got ", q.dim(), "-D, ",
               k.dim(), "-D and ", v.dim(), "-D");
+  TORCH_CHECK(q.device() == k.device() && q.device() == v.device(), kModule,
+              ": expected the projected query, key and value on one device, got ", q.device(),
+              ", ", k.device(), " and ", v.device());
   TORCH_CHECK(bias_k.has_value() == bias_v.has_value(), kModule,
               ": bias_k and bias_v come together");
   TORCH_CHECK(dropout_p >= 0.0 && dropout_p <= 1.0, kModule, ": dropout must be in [0, 1], got ",

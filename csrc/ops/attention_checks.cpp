@@ -48,19 +48,6 @@ void check_per_head(const char* op, const char* name, const char* expected,
               " query heads, got ", shape_str(t.sym_sizes()));
 }
 
-void check_variants(const char* op, const at::Tensor& query,
-                    const std::vector<c10::SymInt>& outer, const AttentionVariants& v) {
-  TORCH_CHECK(v.window_left >= -1 && v.window_right >= -1, op,
-              ": window sizes must be >= -1 (-1 = unbounded), got (", v.window_left, ", ",
-              v.window_right, ")");
-  TORCH_CHECK(std::isfinite(v.softcap) && v.softcap >= 0.0, op,
-              ": softcap must be a finite number >= 0 (0 = off), got ", v.softcap);
-  if (v.alibi_slopes.has_value()) {
-    check_per_head(op, "alibi_slopes", "(H) or (B, H)", query, *v.alibi_slopes, outer, 2);
-  }
-  if (v.sinks.has_value()) check_per_head(op, "sinks", "(H)", query, *v.sinks, outer, 1);
-}
-
 // grad_logsumexp, when given: the logsumexp's shape, dtype and device.
 void check_grad_logsumexp(const char* op, const std::optional<at::Tensor>& grad_logsumexp,
                           const at::Tensor& logsumexp) {
@@ -74,6 +61,19 @@ void check_grad_logsumexp(const char* op, const std::optional<at::Tensor>& grad_
 }
 
 }  // namespace
+
+void check_variants(const char* op, const at::Tensor& query,
+                    const std::vector<c10::SymInt>& outer, const AttentionVariants& v) {
+  TORCH_CHECK(v.window_left >= -1 && v.window_right >= -1, op,
+              ": window sizes must be >= -1 (-1 = unbounded), got (", v.window_left, ", ",
+              v.window_right, ")");
+  TORCH_CHECK(std::isfinite(v.softcap) && v.softcap >= 0.0, op,
+              ": softcap must be a finite number >= 0 (0 = off), got ", v.softcap);
+  if (v.alibi_slopes.has_value()) {
+    check_per_head(op, "alibi_slopes", "(H) or (B, H)", query, *v.alibi_slopes, outer, 2);
+  }
+  if (v.sinks.has_value()) check_per_head(op, "sinks", "(H)", query, *v.sinks, outer, 1);
+}
 
 void check_dropout_state(const char* op, const std::optional<at::Tensor>& dropout_state) {
   if (!dropout_state.has_value()) return;

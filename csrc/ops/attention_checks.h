@@ -36,6 +36,12 @@ void check_dropout_position(const char* op, int64_t row, int64_t column);
 at::Tensor returned_rng_state(const at::Tensor& drawn,
                               const std::optional<at::Tensor>& dropout_state);
 
+// The variants of a call whose outer shape (batch dims..., H) is `outer`:
+// window bounds >= -1, softcap finite and >= 0, alibi_slopes (H) or (B, H)
+// and sinks (H), floating, on the query's device.
+void check_variants(const char* op, const at::Tensor& query,
+                    const std::vector<c10::SymInt>& outer, const AttentionVariants& variants);
+
 // query (..., L, E), key (..., S, E), value (..., S, Ev): dtypes, devices,
 // matching dims, broadcastable batch/head dims (or GQA), attn_mask dtype and
 // shape, dropout_p in [0, 1), scale finite and >= 0, and the variants: window

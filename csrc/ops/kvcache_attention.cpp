@@ -21,6 +21,11 @@
 #include <ATen/MemoryOverlap.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <functional>
+#include <optional>
+#include <vector>
+
 namespace fusedmha {
 namespace {
 
@@ -56,7 +61,84 @@ at::Tensor per_sequence(const OptTensor& t, int64_t B, int64_t fallback, const c
   TORCH_CHECK(t->dim() == 1 && t->size(0) == B && !at::isFloatingType(t->scalar_type()), kOp,
               ": expected ", name, " as an integer tensor of shape (B) = (", B, "), got ",
               t->scalar_type(), " of shape ", t->sizes());
+  TORCH_CHECK(t->device() == device || t->is_cpu(), kOp, ": expected ", name,
+              " on q's device (", device, ") or the CPU, got ", t->device());
   return t->to(device, at::kInt);
+}
+
+// The dims of two views with the same strides, as the ranges of index
+// differences j (a's index minus b's) along each, sorted by stride; empty
+// when a stride is not positive or the dims do not nest (each stride past
+// the most the smaller dims can reach): the layouts the checks below decide.
+struct IndexRange { int64_t stride, lo, hi; };
+std::optional<std::vector<IndexRange>> nested_dims(const at::Tensor& a, const at::Tensor& b) {
+  std::vector<IndexRange> dims;
+  for (int64_t d = 0; d < a.dim(); ++d) {
+    if (a.size(d) <= 1 && b.size(d) <= 1) continue;
+    if (a.stride(d) <= 0) return std::nullopt;
+    dims.push_back({a.stride(d), 1 - b.size(d), a.size(d) - 1});
+  }
+  std::sort(dims.begin(), dims.end(),
+            [](const IndexRange& x, const IndexRange& y) { return x.stride < y.stride; });
+  int64_t reach = 0;
+  for (const IndexRange& d : dims) {
+    if (d.stride <= reach) return std::nullopt;
+    reach += std::max(-d.lo, d.hi) * d.stride;
+  }
+  return dims;
+}
+
+// Whether a tensor may hold one element twice (an expand()ed or as_strided
+// view): decided by nesting where at::has_internal_overlap gives up.
+bool may_overlap_itself(const at::Tensor& t) {
+  switch (at::has_internal_overlap(t)) {
+    case at::MemOverlap::No: return false;
+    case at::MemOverlap::Yes: return true;
+    case at::MemOverlap::TooHard: return !nested_dims(t, t).has_value();
+  }
+  return true;
+}
+
+// Whether two tensors may hold a common element, decided exactly where
+// at::get_overlap_status gives up (TooHard: a non-contiguous view, such as
+// k_cache = buf[:, :-1] and v_cache = buf[:, 1:], or K and V interleaved in
+// one (B, S, 2, H, E) buffer). Views of one storage with the same nested
+// strides share an element iff their offsets differ by sum_k j_k * stride_k
+// with each j_k in its range; nesting leaves at most two candidates for each
+// j_k, tried from the largest stride down. Any other layout whose memory
+// ranges meet counts as sharing (the caller asks for a contiguous cache).
+bool may_share_memory(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0) return false;
+  switch (at::get_overlap_status(a, b)) {
+    case at::MemOverlapStatus::Full:
+    case at::MemOverlapStatus::Partial: return true;
+    case at::MemOverlapStatus::No: return false;
+    case at::MemOverlapStatus::TooHard: break;
+  }
+  if (!a.is_alias_of(b)) return false;
+  auto bytes = [](const at::Tensor& t) {  // the byte range [lo, hi] t covers
+    int64_t lo = t.storage_offset(), hi = lo;
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      (t.stride(d) < 0 ? lo : hi) += (t.size(d) - 1) * t.stride(d);
+    }
+    return std::make_pair(lo * t.element_size(), (hi + 1) * t.element_size() - 1);
+  };
+  const auto [a_lo, a_hi] = bytes(a);
+  const auto [b_lo, b_hi] = bytes(b);
+  if (a_hi < b_lo || b_hi < a_lo) return false;
+  if (a.element_size() != b.element_size() || a.strides() != b.strides()) return true;
+  const auto dims = nested_dims(a, b);
+  if (!dims.has_value()) return true;
+  std::function<bool(size_t, int64_t)> reachable = [&](size_t k, int64_t rest) {
+    if (k == 0) return rest == 0;
+    const IndexRange& d = (*dims)[k - 1];
+    const int64_t j = rest / d.stride;  // (truncated: the other candidate is one further out)
+    for (int64_t c : {j, rest < 0 ? j - 1 : j + 1}) {
+      if (c >= d.lo && c <= d.hi && reachable(k - 1, rest - c * d.stride)) return true;
+    }
+    return false;
+  };
+  return reachable(dims->size(), b.storage_offset() - a.storage_offset());
 }
 
 // The caches are written in place: each must hold distinct elements (not an
@@ -82,15 +164,10 @@ void check_caches(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
                 ": expected floating-point k and v, got ", k->scalar_type(), " and ",
                 v->scalar_type());
   }
-  TORCH_CHECK(at::has_internal_overlap(k_cache) != at::MemOverlap::Yes &&
-                  at::has_internal_overlap(v_cache) != at::MemOverlap::Yes,
+  TORCH_CHECK(!may_overlap_itself(k_cache) && !may_overlap_itself(v_cache),
               kOp, ": k_cache and v_cache are written in place and must not have elements that "
               "share memory (an expand()ed view, for one); pass a contiguous cache");
-  // (TooHard, a layout whose overlap the check can't decide, is let through)
-  auto shares = [](const at::Tensor& a, const at::Tensor& b) {
-    const at::MemOverlapStatus status = at::get_overlap_status(a, b);
-    return status == at::MemOverlapStatus::Full || status == at::MemOverlapStatus::Partial;
-  };
+  const auto shares = may_share_memory;
   TORCH_CHECK(!shares(k_cache, v_cache), kOp,
               ": k_cache and v_cache are written in place and must not share memory");
   for (const OptTensor* t : {&k, &v}) {
@@ -99,6 +176,59 @@ void check_caches(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
                 kOp, ": the new k and v must not share memory with k_cache or v_cache");
   }
 }
+
+// The attention over the caches once the new rows are in: `used` keys per
+// sequence, from its left padding.
+std::tuple<at::Tensor, at::Tensor> attend(
+    const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& used, const at::Tensor& leftpad, const at::Tensor& batch_idx, bool paged,
+    bool chosen_caches, bool has_leftpad, const OptTensor& block_table, int64_t page,
+    int64_t rows_per_sequence, std::optional<double> scale, bool is_causal,
+    const AttentionVariants& variants) {
+  const int64_t B = query.size(0), L = query.size(1);
+  const at::Device device = query.device();
+
+  const auto int32 = at::TensorOptions(device).dtype(at::kInt);
+  const at::Tensor cu_q = at::arange(B + 1, int32).mul(L);
+  const at::Tensor packed_q = query.reshape({B * L, query.size(2), query.size(3)});
+  // (B·L rows, H) out and (H, B·L) lse as flash_attn returns them: (B, L, H, E), (B, H, L).
+  // (contiguous, whichever path ran: the meta kernel cannot know which)
+  auto unpack = [&](const at::Tensor& out, const at::Tensor& lse) {
+    return std::make_tuple(out.view({B, L, out.size(1), out.size(2)}),
+                           lse.view({lse.size(0), B, L}).transpose(0, 1).contiguous());
+  };
+  // (on the meta device nothing can be read: any left padding is taken as some)
+  const bool no_leftpad = !has_leftpad || (!device.is_meta() && !leftpad.any().item<bool>());
+  // (caches of no rows are no pages: they take the last path)
+  if (paged || (chosen_caches && no_leftpad && page > 0)) {
+    // A block table; caches chosen by cache_batch_idx are each one page.
+    const at::Tensor table = paged ? *block_table : batch_idx.to(at::kInt).view({B, 1});
+    const at::Tensor cu_k = at::cat({at::zeros({1}, int32), used.cumsum(0).to(at::kInt)});
+    auto [out, lse, rng] = varlen_attention_forward(packed_q, k_cache, v_cache, cu_q, cu_k, L,
+                                                    rows_per_sequence, 0.0, is_causal, scale,
+                                                    variants, std::nullopt, table);
+    return unpack(out, lse);
+  }
+  // (caches chosen by cache_batch_idx, with left padding: copied)
+  const at::Tensor keys = chosen_caches ? k_cache.index_select(0, batch_idx) : k_cache.narrow(0, 0, B);
+  const at::Tensor values = chosen_caches ? v_cache.index_select(0, batch_idx) : v_cache.narrow(0, 0, B);
+  if (device.is_cpu() && B > 0 && no_leftpad && used.eq(used[0]).all().item<bool>()) {
+    const int64_t n = used[0].item<int64_t>();
+    const at::Tensor qh = query.transpose(1, 2);
+    const at::Tensor kh = keys.narrow(1, 0, n).transpose(1, 2), vh = values.narrow(1, 0, n).transpose(1, 2);
+    auto [out, lse, rng] = attention_forward(qh, kh, vh, std::nullopt, 0.0, is_causal, scale,
+                                             qh.size(1) != kh.size(1), variants);
+    return {out.transpose(1, 2).contiguous(), lse.contiguous()};
+  }
+  const int64_t S = keys.size(1);
+  const at::Tensor starts = at::cat({at::arange(B, int32).mul(S).add(leftpad), at::full({1}, B * S, int32)});
+  auto [out, lse, rng] = varlen_attention_forward(
+      packed_q, keys.reshape({B * S, keys.size(2), keys.size(3)}),
+      values.reshape({B * S, values.size(2), values.size(3)}), cu_q, starts, L, S, 0.0,
+      is_causal, scale, variants, used.sub(leftpad).to(at::kInt));
+  return unpack(out, lse);
+}
+
 
 std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_composite(
     const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache, const OptTensor& k,
@@ -120,6 +250,22 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_composite(
   TORCH_CHECK(!paged || (!cache_batch_idx.has_value() && !cache_leftpad.has_value()), kOp,
               ": cache_batch_idx and cache_leftpad are not supported with block_table (a paged "
               "KV cache)");
+  TORCH_CHECK(v_cache.sizes().slice(0, 3) == k_cache.sizes().slice(0, 3), kOp,
+              ": expected v_cache with k_cache's first three sizes (B_cache or num_pages, "
+              "S_cache or page_size, H_kv), got k_cache ", k_cache.sizes(), " and v_cache ",
+              v_cache.sizes());
+  if (paged) {
+    TORCH_CHECK(block_table->dim() == 2 && block_table->size(0) == q.size(0) &&
+                    block_table->scalar_type() == at::kInt && block_table->device() == q.device(),
+                kOp, ": expected block_table int32 (B, pages per sequence) with B = ", q.size(0),
+                " on q's device, got ", block_table->scalar_type(), " of shape ",
+                block_table->sizes(), " on ", block_table->device());
+  } else {
+    TORCH_CHECK(cache_batch_idx.has_value() || k_cache.size(0) >= q.size(0), kOp,
+                ": expected a cache for each of the B = ", q.size(0), " sequences (k_cache (B_cache, "
+                "S_cache, H_kv, E) with B_cache >= B, or cache_batch_idx), got k_cache ",
+                k_cache.sizes());
+  }
   const int64_t B = q.size(0), L = q.size(1), page = k_cache.size(1);
   const int64_t rows_per_sequence = paged ? page * block_table->size(1) : page;
   const int64_t added = k.has_value() ? k->size(1) : 0;
@@ -129,15 +275,49 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_composite(
   const at::Tensor seqlens = per_sequence(cache_seqlens, B, rows_per_sequence, "cache_seqlens", device);
   const at::Tensor leftpad = per_sequence(cache_leftpad, B, 0, "cache_leftpad", device);
   if (k.has_value()) {
-    TORCH_CHECK(k->dim() == 4 && k->size(0) == B && v->sizes() == k->sizes(), kOp,
-                ": expected k and v (B, L_new, H_kv, E) with B = ", B, ", got ", k->sizes(),
-                " and ", v->sizes());
+    TORCH_CHECK(k->dim() == 4 && k->size(0) == B && k->size(2) == k_cache.size(2) &&
+                    k->size(3) == k_cache.size(3) && v->dim() == 4 &&
+                    v->sizes().slice(0, 3) == k->sizes().slice(0, 3) &&
+                    v->size(3) == v_cache.size(3),
+                kOp, ": expected k (B, L_new, H_kv, E) and v (B, L_new, H_kv, Ev) with B = ", B,
+                " and H_kv, E, Ev of the caches (", k_cache.size(2), ", ", k_cache.size(3), ", ",
+                v_cache.size(3), "), got ", k->sizes(), " and ", v->sizes());
   }
+  if (rotary_cos.has_value()) {
+    const at::Tensor &cos = *rotary_cos, &sin = *rotary_sin;
+    TORCH_CHECK(cos.dim() == 2 && sin.sizes() == cos.sizes() && 2 * cos.size(1) <= q.size(3) &&
+                    at::isFloatingType(cos.scalar_type()) && sin.scalar_type() == cos.scalar_type(),
+                kOp, ": expected rotary_cos and rotary_sin of one floating dtype and shape "
+                "(seqlen_ro, rotary_dim / 2) with rotary_dim <= E = ", q.size(3), ", got ",
+                cos.scalar_type(), " ", cos.sizes(), " and ", sin.scalar_type(), " ", sin.sizes());
+    TORCH_CHECK(cos.device() == device && sin.device() == device, kOp,
+                ": expected rotary_cos and rotary_sin on q's device (", device, "), got ",
+                cos.device(), " and ", sin.device());
+  }
+  // The variants too, before anything is written into the caches.
+  ops::check_variants(kOp, q, {q.sym_size(0), q.sym_size(2)},
+                 {window_left, window_right, /*bottom_right=*/true, softcap, alibi_slopes, sinks});
+  const at::Tensor batch_idx =
+      cache_batch_idx.has_value()
+          ? per_sequence(cache_batch_idx, B, 0, "cache_batch_idx", device).to(at::kLong)
+          : at::arange(B, at::TensorOptions(device).dtype(at::kLong));
   if (device.is_cpu()) {  // (on a GPU, reading them would wait for it)
     TORCH_CHECK(seqlens.add(added).le(rows_per_sequence).all().item<bool>() &&
                     leftpad.ge(0).all().item<bool>() && leftpad.le(seqlens).all().item<bool>(),
                 kOp, ": cache_seqlens + ", added, " new rows must fit the cache's ",
                 rows_per_sequence, " rows per sequence, and 0 <= cache_leftpad <= cache_seqlens");
+    TORCH_CHECK(B == 0 || (batch_idx.min().item<int64_t>() >= 0 &&
+                           batch_idx.max().item<int64_t>() < k_cache.size(0)),
+                kOp, ": expected cache_batch_idx in [0, ", k_cache.size(0), ")");
+    TORCH_CHECK(!paged || block_table->numel() == 0 ||
+                    (block_table->min().item<int>() >= 0 &&
+                     block_table->max().item<int>() < k_cache.size(0)),
+                kOp, ": expected block_table's pages in [0, ", k_cache.size(0), ")");
+    if (rotary_cos.has_value() && B > 0) {
+      const int64_t last = seqlens.sub(leftpad).max().item<int64_t>() + std::max(L, added) - 1;
+      TORCH_CHECK(last < rotary_cos->size(0), kOp, ": rotary_cos and rotary_sin have ",
+                  rotary_cos->size(0), " positions; this call reaches position ", last);
+    }
   }
 
   // Rotary embedding at the positions counted from the left padding: the new
@@ -157,63 +337,43 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_composite(
                      rotary_interleaved);
     }
   }
-  const at::Tensor batch_idx = cache_batch_idx.has_value()
-                                   ? cache_batch_idx->to(device, at::kLong)
-                                   : at::arange(B, at::TensorOptions(device).dtype(at::kLong));
+  // The append, undone if the attention refuses the call: a bad call leaves
+  // the caches as they were. (The rows it overwrites are kept: B x L_new.)
+  std::vector<at::indexing::TensorIndex> where;
+  at::Tensor old_k, old_v;
   if (k.has_value()) {
     const at::Tensor rows =
         seqlens.to(at::kLong).unsqueeze(1) + at::arange(added, batch_idx.options());
     if (paged) {
-      const at::Tensor pages = block_table->to(at::kLong).gather(1, rows.div(page, "floor"));
-      k_cache.index_put_({pages, rows.remainder(page)}, new_k->to(k_cache.scalar_type()));
-      v_cache.index_put_({pages, rows.remainder(page)}, v->to(v_cache.scalar_type()));
+      where = {block_table->to(at::kLong).gather(1, rows.div(page, "floor")), rows.remainder(page)};
     } else {
-      k_cache.index_put_({batch_idx.unsqueeze(1), rows}, new_k->to(k_cache.scalar_type()));
-      v_cache.index_put_({batch_idx.unsqueeze(1), rows}, v->to(v_cache.scalar_type()));
+      where = {batch_idx.unsqueeze(1), rows};
     }
+    old_k = k_cache.index(where);
+    old_v = v_cache.index(where);
+    k_cache.index_put_(where, new_k->to(k_cache.scalar_type()));
+    v_cache.index_put_(where, v->to(v_cache.scalar_type()));
   }
-
-  const at::Tensor used = seqlens.add(added);
-  AttentionVariants variants{window_left, window_right, /*bottom_right=*/true, softcap,
-                             alibi_slopes, sinks};
-  const auto int32 = at::TensorOptions(device).dtype(at::kInt);
-  const at::Tensor cu_q = at::arange(B + 1, int32).mul(L);
-  const at::Tensor packed_q = query.reshape({B * L, query.size(2), query.size(3)});
-  // (B·L rows, H) out and (H, B·L) lse as flash_attn returns them: (B, L, H, E), (B, H, L).
-  auto unpack = [&](const at::Tensor& out, const at::Tensor& lse) {
-    return std::make_tuple(out.view({B, L, out.size(1), out.size(2)}),
-                           lse.view({lse.size(0), B, L}).transpose(0, 1));
-  };
-  const bool no_leftpad = !cache_leftpad.has_value() || !leftpad.any().item<bool>();
-  if (paged || (cache_batch_idx.has_value() && no_leftpad)) {
-    // A block table; caches chosen by cache_batch_idx are each one page.
-    const at::Tensor table = paged ? *block_table : batch_idx.to(at::kInt).view({B, 1});
-    const at::Tensor cu_k = at::cat({at::zeros({1}, int32), used.cumsum(0).to(at::kInt)});
-    auto [out, lse, rng] = varlen_attention_forward(packed_q, k_cache, v_cache, cu_q, cu_k, L,
-                                                    rows_per_sequence, 0.0, is_causal, scale,
-                                                    variants, std::nullopt, table);
-    return unpack(out, lse);
+  try {
+    return attend(query, k_cache, v_cache, seqlens.add(added), leftpad, batch_idx, paged,
+                  cache_batch_idx.has_value(), cache_leftpad.has_value(), block_table, page,
+                  rows_per_sequence, scale, is_causal,
+                  {window_left, window_right, /*bottom_right=*/true, softcap, alibi_slopes, sinks});
+  } catch (const c10::Error& e) {
+    if (k.has_value()) {
+      k_cache.index_put_(where, old_k);
+      v_cache.index_put_(where, old_v);
+    }
+    // Named as the entry point called, not the op the call was handed to.
+    std::string message = e.what_without_backtrace();
+    for (const std::string inner : {ops::kVarlenForwardOp, ops::kForwardOp}) {
+      if (message.rfind(inner + ":", 0) == 0) {
+        message = kOp + message.substr(inner.size());
+        break;
+      }
+    }
+    TORCH_CHECK(false, message);
   }
-  at::Tensor keys = k_cache.narrow(0, 0, B), values = v_cache.narrow(0, 0, B);
-  if (cache_batch_idx.has_value()) {  // (with left padding: the chosen caches copied)
-    keys = k_cache.index_select(0, batch_idx);
-    values = v_cache.index_select(0, batch_idx);
-  }
-  if (device.is_cpu() && no_leftpad && used.eq(used[0]).all().item<bool>()) {
-    const int64_t n = used[0].item<int64_t>();
-    const at::Tensor qh = query.transpose(1, 2);
-    const at::Tensor kh = keys.narrow(1, 0, n).transpose(1, 2), vh = values.narrow(1, 0, n).transpose(1, 2);
-    auto [out, lse, rng] = attention_forward(qh, kh, vh, std::nullopt, 0.0, is_causal, scale,
-                                             qh.size(1) != kh.size(1), variants);
-    return {out.transpose(1, 2), lse};
-  }
-  const int64_t S = keys.size(1);
-  const at::Tensor starts = at::cat({at::arange(B, int32).mul(S).add(leftpad), at::full({1}, B * S, int32)});
-  auto [out, lse, rng] = varlen_attention_forward(
-      packed_q, keys.reshape({B * S, keys.size(2), keys.size(3)}),
-      values.reshape({B * S, values.size(2), values.size(3)}), cu_q, starts, L, S, 0.0,
-      is_causal, scale, variants, used.sub(leftpad).to(at::kInt));
-  return unpack(out, lse);
 }
 
 }  // namespace

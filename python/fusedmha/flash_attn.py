@@ -30,9 +30,23 @@ def _check_deterministic(deterministic, name, *tensors):
             "runs: the flag cannot reach the backward through autograd")
 
 
+def _check_dims(name, **tensors):
+    """flash_attn's layouts have a fixed number of dims: name=(tensor, dims) pairs."""
+    for arg, (t, dims) in tensors.items():
+        if not isinstance(t, Tensor) or t.dim() != dims:
+            got = f"shape {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"fusedmha.{name}: expected {arg} with {dims} dims "
+                             f"({_LAYOUTS[dims]}), got {got}")
+
+
+_LAYOUTS = {3: "total, nheads, headdim", 4: "batch, seqlen, nheads, headdim",
+            5: "batch, seqlen, 2 or 3, nheads, headdim"}
+
+
 def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-               return_attn_probs, sinks):
+               return_attn_probs, sinks, name="flash_attn_func"):
     """q (B, L, H, E), k/v (B, S, H_kv, E) -> flash_attn's return values."""
+    _check_dims(name, q=(q, 4), k=(k, 4), v=(v, 4))
     window_left, window_right = (int(w) for w in window_size)
     # The op's (..., H, L, E) layout as views: nothing is copied.
     qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -109,9 +123,10 @@ def flash_attn_qkvpacked_func(
     """flash_attn.flash_attn_qkvpacked_func: ``qkv (B, L, 3, H, E)``, otherwise as
     :func:`flash_attn_func` (read through views: the packed tensor is not split by copies)."""
     _check_deterministic(deterministic, "flash_attn_qkvpacked_func", qkv)
+    _check_dims("flash_attn_qkvpacked_func", qkv=(qkv, 5))
     q, k, v = qkv.unbind(2)
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                      alibi_slopes, return_attn_probs, sinks)
+                      alibi_slopes, return_attn_probs, sinks, "flash_attn_qkvpacked_func")
 
 
 def flash_attn_kvpacked_func(
@@ -131,9 +146,10 @@ def flash_attn_kvpacked_func(
     """flash_attn.flash_attn_kvpacked_func: q ``(B, L, H, E)``, ``kv (B, S, 2, H_kv, E)``,
     otherwise as :func:`flash_attn_func`."""
     _check_deterministic(deterministic, "flash_attn_kvpacked_func", q, kv)
+    _check_dims("flash_attn_kvpacked_func", q=(q, 4), kv=(kv, 5))
     k, v = kv.unbind(2)
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                      alibi_slopes, return_attn_probs, sinks)
+                      alibi_slopes, return_attn_probs, sinks, "flash_attn_kvpacked_func")
 
 
 def flash_attn_varlen_func(

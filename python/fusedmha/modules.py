@@ -176,6 +176,12 @@ class MultiheadAttention(nn.Module):
                 "Support for mismatched key_padding_mask and attn_mask is deprecated. "
                 "Use same type for both instead."
             )
+        weight = self.in_proj_weight if self.in_proj_weight is not None else self.q_proj_weight
+        devices = {n: t.device for n, t in (("query", query), ("key", key), ("value", value))}
+        if any(d != weight.device for d in devices.values()):
+            raise RuntimeError(
+                "fusedmha.MultiheadAttention: expected query, key and value on the module's "
+                f"device ({weight.device}), got " + ", ".join(f"{n} on {d}" for n, d in devices.items()))
         return is_batched
 
     def _check_batched_shapes(self, query: Tensor, key: Tensor, value: Tensor,

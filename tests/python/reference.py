@@ -126,10 +126,11 @@ def reference_variants(q, k, v, attn_mask=None, is_causal=False, scale=None, ena
     denominator → dropout → ·v; d = i (+ S − L when bottom_right). A row with nothing to
     attend to (and no sink) gives 0 and lse +inf."""
     q, k, v = q.double(), k.double(), v.double()
-    if enable_gqa and q.dim() >= 3:
+    if enable_gqa and q.dim() >= 3 and k.size(-3) > 0:  # (no heads: nothing to repeat)
         k = k.repeat_interleave(q.size(-3) // k.size(-3), dim=-3)
         v = v.repeat_interleave(q.size(-3) // v.size(-3), dim=-3)
-    scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
+    if scale is None:  # (E = 0: every score is 0, whatever the scale)
+        scale = 1.0 / math.sqrt(q.size(-1)) if q.size(-1) > 0 else 1.0
     scores = (q @ k.transpose(-2, -1)) * scale
     if softcap > 0:
         scores = softcap * torch.tanh(scores / softcap)

@@ -103,3 +103,18 @@ def test_deterministic_flag_is_accepted_and_backward_is_reproducible():
         grads.append(torch.autograd.grad(out.sum(), (q, k, v)))
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: fusedmha.flash_attn_func(torch.randn(9, 16), torch.randn(1, 16), torch.randn(1, 16)),
+     r"flash_attn_func: expected q with 4 dims \(batch, seqlen, nheads, headdim\), got shape \(9, 16\)"),
+    (lambda: fusedmha.flash_attn_func(torch.randn(1, 9, 2, 16), torch.randn(9, 2, 16), torch.randn(9, 2, 16)),
+     "flash_attn_func: expected k with 4 dims"),
+    (lambda: fusedmha.flash_attn_qkvpacked_func(torch.randn(1, 9, 3, 16)),
+     "flash_attn_qkvpacked_func: expected qkv with 5 dims"),
+    (lambda: fusedmha.flash_attn_kvpacked_func(torch.randn(1, 9, 2, 16), torch.randn(1, 9, 2, 16)),
+     "flash_attn_kvpacked_func: expected kv with 5 dims"),
+])
+def test_tensors_of_the_wrong_rank_get_a_clear_error(call, message):
+    with pytest.raises(ValueError, match="fusedmha." + message):
+        call()

@@ -29,8 +29,10 @@ def rotate(x, cos, sin, positions, interleaved):
         pairs = head.unflatten(-1, (half, 2))
     else:
         pairs = torch.stack((head[..., :half], head[..., half:]), dim=-1)
-    z = torch.view_as_complex(pairs.contiguous())
-    turn = torch.polar(torch.ones_like(cos.double()), torch.atan2(sin.double(), cos.double()))
+    z = torch.view_as_complex(pairs.clone(memory_format=torch.contiguous_format))  # (offset 0)
+    # cos + i·sin as the tables give them (rounded tables of a half dtype are not quite on
+    # the unit circle; flash_attn multiplies by them as they are)
+    turn = torch.complex(cos.double(), sin.double())
     z = z * turn[positions].unsqueeze(2)
     out = torch.view_as_real(z)
     out = out.flatten(-2) if interleaved else torch.cat((out[..., 0], out[..., 1]), dim=-1)
@@ -214,3 +216,63 @@ def test_caches_that_share_memory_are_refused_and_left_untouched():
     out = fusedmha.flash_attn_with_kvcache(q, kv[0], kv[1], k, v, cache_seqlens=3)
     assert torch.equal(kv[0, :, 3:5], k) and torch.equal(kv[1, :, 3:5], v)
     assert out.isfinite().all()
+
+
+def test_views_of_one_buffer_share_memory_only_where_they_meet():
+    """Non-contiguous views (get_overlap_status cannot decide them): caches that are one buffer
+    shifted by a row, or one cache whose rows overlap, are refused; K and V interleaved in one
+    (B, S, 2, H_kv, E) buffer are distinct and taken."""
+    q, k, v = torch.randn(2, 1, H, E), torch.randn(2, 1, H_KV, E), torch.randn(2, 1, H_KV, E)
+    buf = torch.randn(2, 41, H_KV, E)
+    before = buf.clone()
+    with pytest.raises(RuntimeError, match="fusedmha.attention_with_kvcache: .*must not share"):
+        fusedmha.flash_attn_with_kvcache(q, buf[:, :-1], buf[:, 1:], k, v, cache_seqlens=3)
+    rows = torch.randn(2 * 20 * H_KV * E + 40 * H_KV * E)
+    overlapping = rows.as_strided((2, 40, H_KV, E), (20 * H_KV * E, H_KV * E // 2, E, 1))
+    with pytest.raises(RuntimeError, match="fusedmha.attention_with_kvcache: .*elements that share"):
+        fusedmha.flash_attn_with_kvcache(q, overlapping, torch.zeros(2, 40, H_KV, E), k, v,
+                                         cache_seqlens=3)
+    assert torch.equal(buf, before)
+    kv = torch.zeros(2, 40, 2, H_KV, E)
+    out = fusedmha.flash_attn_with_kvcache(q, kv[:, :, 0], kv[:, :, 1], k, v, cache_seqlens=3)
+    assert torch.equal(kv[:, 3:4, 0], k) and torch.equal(kv[:, 3:4, 1], v)
+    assert out.isfinite().all()
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(alibi_slopes=torch.rand(3)), "alibi_slopes"),
+    (dict(window_size=(-2, 0)), "window sizes"),
+    (dict(softmax_scale=float("inf")), "scale"),
+    (dict(k=torch.randn(2, 1, H_KV + 1, E)), "H_kv, E, Ev of the caches"),
+    (dict(cache_batch_idx=torch.tensor([0, 5], dtype=torch.int32)), r"cache_batch_idx in \[0, 3\)"),
+    (dict(rotary_cos=torch.ones(4, 4), rotary_sin=torch.zeros(4, 4)), "rotary_cos and rotary_sin have 4 positions"),
+])
+def test_a_refused_call_leaves_the_caches_as_they_were(bad, message):
+    """Every check, the attention kernels' too, comes before the caches are written, or the
+    append is undone: a refused call changes nothing, and its error names the entry point
+    called."""
+    q = torch.randn(2, 1, H, E)
+    k_cache, v_cache = torch.randn(3, 40, H_KV, E), torch.randn(3, 40, H_KV, E)
+    before = k_cache.clone(), v_cache.clone()
+    kw = dict(k=torch.randn(2, 1, H_KV, E), v=torch.randn(2, 1, H_KV, E),
+              cache_seqlens=torch.tensor([3, 9], dtype=torch.int32))
+    kw.update(bad)
+    with pytest.raises(RuntimeError, match="fusedmha.attention_with_kvcache: .*" + message):
+        fusedmha.flash_attn_with_kvcache(q, k_cache, v_cache, **kw)
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+
+
+def test_meta_outputs_are_laid_out_as_on_the_cpu():
+    """The output (B, L, H, E) and the lse (B, H, L) are contiguous whichever kernel path runs,
+    so the meta device (torch.compile's fake tensors) can give the CPU's strides."""
+    for lens in ([5, 5], [5, 9]):
+        args = (torch.randn(2, 3, H, E), torch.randn(2, 40, H_KV, E), torch.randn(2, 40, H_KV, E))
+        seqlens = torch.tensor(lens, dtype=torch.int32)
+        out, lse = fusedmha.flash_attn_with_kvcache(*args, cache_seqlens=seqlens, causal=True,
+                                                    return_softmax_lse=True)
+        meta = [torch.empty_like(t, device="meta") for t in args]
+        m_out, m_lse = fusedmha.flash_attn_with_kvcache(*meta, cache_seqlens=seqlens.to("meta"),
+                                                        causal=True, return_softmax_lse=True)
+        assert out.is_contiguous() and lse.is_contiguous(), lens
+        assert (m_out.shape, m_lse.shape) == (out.shape, lse.shape)
+        assert m_out.is_contiguous() and m_lse.is_contiguous()

@@ -559,3 +559,15 @@ def test_mask_on_another_device_names_the_module(mask):
     shape = (4, 4) if mask == "attn_mask" else (3, 4)
     with pytest.raises(RuntimeError, match="fusedmha.MultiheadAttention: expected " + mask):
         mod(x, x, x, **{mask: torch.zeros(shape, device="meta")})
+
+
+@pytest.mark.parametrize("which", ["query", "key", "value"])
+def test_inputs_off_the_modules_device_are_refused_in_its_name(which):
+    """An input on another device than the module's parameters is an error that names the
+    module (not an op it hands the call to), before anything runs."""
+    m = fusedmha.MultiheadAttention(8, 2)
+    x = {n: torch.randn(4, 3, 8) for n in ("query", "key", "value")}
+    x[which] = torch.empty(4, 3, 8, device="meta")
+    with pytest.raises(RuntimeError, match=f"fusedmha.MultiheadAttention: expected query, key and "
+                                           f"value on the module's device \\(cpu\\), got .*{which} on meta"):
+        m(x["query"], x["key"], x["value"])

@@ -1,0 +1,52 @@
+"""A bounded run of the seeded fuzzer (fuzz_attention.py) in the ordinary test suite: every
+entry point and kind of case, each case checked as the fuzzer checks it (within the parity
+bounds of the float64 reference, or an error naming the entry point called). Failures print
+their reproducers (`--seed S --only-case N` replays one). tests/sanitize.sh runs another seed
+under ASan + UBSan; a long local run: `python tests/python/fuzz_attention.py --calls 20000`."""
+
+import io
+
+import pytest
+
+import fuzz_attention
+
+CALLS = 400  # about a minute on 2 cores
+
+
+@pytest.fixture(scope="module")
+def counts(one_thread):
+    return fuzz_attention.run(CALLS, seed=0, quiet=True)
+
+
+def test_bounded_fuzz_run_has_no_failures(counts):
+    assert counts.calls == CALLS
+    assert counts.failures(strict=True) == 0, "\n\n".join(counts.reports + counts.known_reports)
+
+
+def test_bounded_fuzz_run_reaches_every_entry_point_and_kind(counts):
+    """The run is not vacuous: every entry point the fuzzer knows is called, and every kind of
+    case (valid, nonfinite, empty, errors, ...) is drawn."""
+    entries = {e for e, _, _ in counts}
+    kinds = {k for _, k, _ in counts}
+    assert entries == set(fuzz_attention.ENTRY_POINTS), sorted(entries)
+    every_kind = {k for ks in fuzz_attention.KINDS.values() for k in ks}
+    missing = every_kind - kinds
+    assert not missing, f"kinds never drawn in {CALLS} cases: {sorted(missing)}"
+
+
+def test_a_wrong_result_is_caught(monkeypatch, one_thread):
+    """The fuzzer can fail: with fusedmha.scaled_dot_product_attention made slightly wrong (its
+    output scaled by 1.001), the sdpa cases among the first 40 fail, each with its replay line."""
+    right = fuzz_attention.fusedmha.scaled_dot_product_attention
+
+    def wrong(*args, **kwargs):
+        return right(*args, **kwargs) * 1.001
+
+    monkeypatch.setattr(fuzz_attention.fusedmha, "scaled_dot_product_attention", wrong)
+    counts = fuzz_attention.run(40, seed=0, quiet=True)
+    failed = sum(n for (e, k, o), n in counts.items() if e == "sdpa" and k == "valid" and o == "fail")
+    assert failed > 0, dict(counts)
+    assert all("--seed 0 --only-case" in r for r in counts.reports)
+    out = io.StringIO()
+    fuzz_attention.summary(counts, out=out)
+    assert "40 calls" in out.getvalue()
