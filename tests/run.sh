@@ -5,7 +5,8 @@
 #
 #   bash tests/run.sh [pytest args]
 #
-# Installs what is missing first (tests/install_deps.sh).
+# Then the same again under ASan + UBSan (tests/sanitize.sh; skipped with
+# FUSEDMHA_SANITIZE_RUN=0). Installs what is missing first (tests/install_deps.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -32,3 +33,9 @@ echo "== Python tests (pytest) =="
 export TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)"
 trap 'rm -rf "$TORCHINDUCTOR_CACHE_DIR"' EXIT
 PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}" "$python" -m pytest tests/python -q -rs -p no:cacheprovider "$@"
+
+# The same C++ under ASan + UBSan: ctest, pytest and a bounded fuzz run
+# (skip with FUSEDMHA_SANITIZE_RUN=0).
+if [ "${FUSEDMHA_SANITIZE_RUN:-1}" != 0 ]; then
+  bash tests/sanitize.sh "$@"
+fi

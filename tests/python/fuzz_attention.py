@@ -1018,6 +1018,14 @@ def draw_flash(rng, g, dtype, *, layouts=True, dropout=True):
     return q, k, v, kw
 
 
+def leaves_with_sinks(tensors, kw):
+    """Fresh leaves of q, k, v, and of kw's sinks when there are any, to differentiate."""
+    leaves = [t.detach().requires_grad_() for t in tensors]
+    if kw.get("sinks") is not None:
+        leaves.append(kw["sinks"].detach().requires_grad_())
+    return leaves
+
+
 def flash_problem(q, k, v, kw, sinks=None):
     window = kw.get("window_size", (-1, -1))
     variants = dict(window_left=window[0], window_right=window[1], bottom_right=True,
@@ -1047,11 +1055,7 @@ def gen_flash_attn_func(rng, g, kind, seed):
             return Case(entry, kind, f"{target} poisoned: q={describe(q)} k={describe(k)} v={describe(v)} {kwargs_text(kw)}",
                         lambda: fusedmha.flash_attn_func(q, k, v, **kw),
                         check=lambda out: check_nonfinite(pb, out.transpose(1, 2)))
-        grads = None
-        if kind == "valid" and rng.random() < 0.5:
-            grads = [t.detach().requires_grad_() for t in (q, k, v)]
-            if kw.get("sinks") is not None:
-                grads.append(kw["sinks"].detach().requires_grad_())
+        grads = leaves_with_sinks((q, k, v), kw) if kind == "valid" and rng.random() < 0.5 else None
 
         def run():
             torch.manual_seed(seed)
@@ -1305,11 +1309,7 @@ def gen_varlen(rng, g, kind, seed):
                     lambda: fusedmha.flash_attn_varlen_func(*args, **kw), check)
 
     if kind == "valid":
-        grads = None
-        if rng.random() < 0.5 and "block_table" not in kw:
-            grads = [t.detach().requires_grad_() for t in args[:3]]
-            if kw.get("sinks") is not None:
-                grads.append(kw["sinks"].detach().requires_grad_())
+        grads = leaves_with_sinks(args[:3], kw) if rng.random() < 0.5 and "block_table" not in kw else None
 
         def run():
             torch.manual_seed(seed)
