@@ -190,6 +190,7 @@ bool AttentionCall::use_key_lengths(const at::Tensor& mask) {
   // of trues then falses.
   if (mask.scalar_type() != at::kBool || !mask.is_cpu() || outer_shape_.size() < 2) return false;
   const int64_t n = static_cast<int64_t>(outer_shape_.size()), batch = outer_shape_[0];
+  if (batch == 0) return false;  // (an empty batch: nothing to read, and no group to divide by)
   if (mask.dim() != n + 2 || mask.size(0) != batch || mask.size(-1) != inputs_.len_kv) return false;
   for (int64_t d = 1; d < mask.dim() - 1; ++d) {
     if (mask.size(d) != 1) return false;

@@ -71,3 +71,18 @@ def test_multihead_attention_with_right_padding_matches_pytorch():
     ref_out, ref_w = ref(x, x, x, key_padding_mask=padding)
     torch.testing.assert_close(out, ref_out)
     torch.testing.assert_close(w, ref_w)
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1])
+def test_an_empty_batch_with_a_padding_mask(dropout_p):
+    """A key padding mask of an empty batch (0, 1, 1, S) is no key lengths to read (it divided
+    by the batch size: a crash), and the module's empty batch with its key_padding_mask gives
+    empty outputs."""
+    q = torch.randn(0, 2, 5, 4)
+    mask = torch.zeros(0, 1, 1, 5, dtype=torch.bool)
+    out = fusedmha.scaled_dot_product_attention(q, q, q, attn_mask=mask, dropout_p=dropout_p)
+    assert out.shape == (0, 2, 5, 4)
+    m = fusedmha.MultiheadAttention(8, 2, dropout=dropout_p)
+    x = torch.randn(5, 0, 8)
+    out, w = m(x, x, x, key_padding_mask=torch.zeros(0, 5, dtype=torch.bool))
+    assert out.shape == (5, 0, 8) and w.shape == (0, 5, 5)

@@ -513,8 +513,9 @@ def test_fuzz_like_pytorch(spec):
         _, exc = torch_outcome(lambda: ref(*args, **kw_ref))
         if exc is not None:  # a real error elsewhere in the call: same type expected
             assert_same_outcome(ref, mod, args, kw_ref)
-            with pytest.raises(Exception):
-                mod(*args, **kw)
+            if not lower_precision_mask(args[0], kw):  # (which fusedmha widens: no error)
+                with pytest.raises(Exception):
+                    mod(*args, **kw)
         else:
             try:
                 mod(*args, **kw)
