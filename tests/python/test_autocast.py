@@ -47,3 +47,37 @@ def test_training_step_and_weights_under_autocast():
     (out.float().sum() + o.float().sum()).backward()
     assert x.grad.dtype == torch.float32 and q.grad.dtype == torch.float32
     assert torch.isfinite(x.grad).all() and torch.isfinite(q.grad).all()
+
+
+def test_training_step_with_grad_scaler_follows_pytorch(device):
+    """A float16 mixed-precision step as users write it (autocast + GradScaler + optimizer) on
+    fusedmha.MultiheadAttention gives the gradients and parameters of the same step on
+    nn.MultiheadAttention with the same weights."""
+    torch.manual_seed(0)
+    mods = [fusedmha.MultiheadAttention(32, 4, batch_first=True).to(device)]
+    mods.append(torch.nn.MultiheadAttention(32, 4, batch_first=True).to(device))
+    mods[1].load_state_dict(mods[0].state_dict())
+    x = torch.randn(3, 17, 32, device=device)
+    target = torch.randn(3, 17, 32, device=device)
+    mask = torch.rand(3, 17, device=device) < 0.2  # key padding
+    mask[:, 0] = False
+    grads, params = [], []
+    for mod in mods:
+        opt = torch.optim.SGD(mod.parameters(), lr=0.5)
+        scaler = torch.amp.GradScaler(torch.device(device).type, init_scale=2.0 ** 10)
+        with torch.autocast(torch.device(device).type, dtype=torch.float16):
+            out, _ = mod(x, x, x, key_padding_mask=mask, need_weights=False)
+            assert out.dtype == torch.float16
+            loss = torch.nn.functional.mse_loss(out.float(), target)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        grads.append([p.grad.clone() for p in mod.parameters()])
+        scaler.step(opt)
+        scaler.update()
+        params.append([p.detach().clone() for p in mod.parameters()])
+    for name, g, g_ref in zip([n for n, _ in mods[0].named_parameters()], *grads):
+        assert g.dtype == torch.float32 and torch.isfinite(g).all(), name
+        torch.testing.assert_close(g, g_ref, atol=2e-3 * max(1.0, g_ref.abs().max().item()),
+                                   rtol=3e-2, msg=lambda m: f"grad of {name}: {m}")
+    for p, p_ref in zip(*params):
+        torch.testing.assert_close(p, p_ref, atol=2e-3, rtol=3e-2)
