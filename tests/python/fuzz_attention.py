@@ -443,10 +443,26 @@ def rounded_output_gradients(want, out, ref, ref_lse, grad_out, inputs64):
             for w, e, t in zip(want, extra, terms)]
 
 
+def assert_gradient_close(a, w, rounded, name, *, dtype, floor, torch_out=None, factor=2.0):
+    """a within the bound of the exact float64 gradient w (2x PyTorch's error + the floor when
+    torch_out is given, else the floor), or else, when rounded = (gradient, scale) of
+    rounded_output_gradients is given, within the floor x scale of the gradient the kernels'
+    algorithm defines."""
+    try:
+        assert_close_to_truth(a, w, torch_out, dtype=dtype, factor=factor, floor=floor,
+                              what=f"grad_{name}")
+    except AssertionError:
+        if rounded is None:
+            raise
+        w_r, scale = rounded
+        assert_close_to_truth(a, w_r, dtype=dtype, floor=floor * max(1.0, scale),
+                              what=f"grad_{name} (from the rounded output, floor x {scale:.3g})")
+
+
 def check_gradients(pb, got, want, grad_out, inputs, want_rounded=None):
     """Gradients got (fused) against want (float64 reference): within 2x PyTorch's own error or
-    the floor (test_sdpa_backward.py) when PyTorch computes the same, else a fixed floor (of
-    want_rounded, when given: rounded_output_gradients)."""
+    the floor (test_sdpa_backward.py) when PyTorch computes the same, else a fixed floor; or
+    against want_rounded (rounded_output_gradients), when given."""
     names = ["q", "k", "v", "sinks"]
     torch_grads = [None] * len(got)
     if pytorch_comparable(pb):
@@ -455,29 +471,17 @@ def check_gradients(pb, got, want, grad_out, inputs, want_rounded=None):
             torch_grads = list(torch.autograd.grad(torch_sdpa(pb, t), t, grad_out))
         except RuntimeError:
             pass
-    for name, a, w, t, x in zip(names, got, want, torch_grads, inputs):
+    rounded = want_rounded if want_rounded is not None else [None] * len(got)
+    for name, a, w, t, x, r in zip(names, got, want, torch_grads, inputs, rounded):
         expect(a.shape == x.shape and a.dtype == x.dtype,
                f"grad_{name}: {describe(a)} for input {describe(x)}")
         if t is not None and torch.isfinite(t).all():
             factor, floor = grad_tolerance(x.dtype)
-            try:
-                assert_close_to_truth(a, w, t, dtype=x.dtype, factor=factor, floor=floor, what=f"grad_{name}")
-            except AssertionError:  # (PyTorch's error is against the exact truth: the floor alone)
-                if want_rounded is None:
-                    raise
-                w, terms = want_rounded[names.index(name)]
-                assert_close_to_truth(a, w, dtype=x.dtype, floor=floor * max(1.0, terms),
-                                      what=f"grad_{name} (from the rounded output, floor x {terms:.3g})")
+            assert_gradient_close(a, w, r, name, dtype=x.dtype, floor=floor, torch_out=t,
+                                  factor=factor)
         else:
             floor = max(GRAD_FIXED_FACTOR * fixed_floor(pb, x.dtype), GRAD_FLOOR_CPU[x.dtype])
-            try:
-                assert_close_to_truth(a, w, dtype=x.dtype, floor=floor, what=f"grad_{name}")
-            except AssertionError:  # (as the kernels' algorithm computes it, when given)
-                if want_rounded is None:
-                    raise
-                w, terms = want_rounded[names.index(name)]
-                assert_close_to_truth(a, w, dtype=x.dtype, floor=floor * max(1.0, terms),
-                                      what=f"grad_{name} (from the rounded output, floor x {terms:.3g})")
+            assert_gradient_close(a, w, r, name, dtype=x.dtype, floor=floor)
 
 
 def check_logsumexp(lse, want, dtype, what="logsumexp"):
@@ -1357,12 +1361,8 @@ def gen_varlen(rng, g, kind, seed):
                         for a, w in zip(got, want)]
                 rounded = rounded_output_gradients(want, out, ref, ref_lse.transpose(0, 1),
                                                    grad_out, grads64)
-                for name, a, w, (w_r, factor) in zip(["q", "k", "v", "sinks"], got, want, rounded):
-                    try:
-                        assert_close_to_truth(a, w, floor=GRAD_FIXED_FACTOR * floor, what=f"grad_{name}")
-                    except AssertionError:  # (see rounded_output_gradients)
-                        assert_close_to_truth(a, w_r, floor=GRAD_FIXED_FACTOR * floor * max(1.0, factor),
-                                              what=f"grad_{name} (from the rounded output, floor x {factor:.3g})")
+                for name, a, w, r in zip(["q", "k", "v", "sinks"], got, want, rounded):
+                    assert_gradient_close(a, w, r, name, dtype=a.dtype, floor=GRAD_FIXED_FACTOR * floor)
         return Case(entry, kind, varlen_text(args, kw) + (" +backward" if grads else ""), run, check)
 
     if kind == "empty":
