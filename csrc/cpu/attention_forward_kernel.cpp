@@ -45,45 +45,38 @@ struct RowState {
 // Scratch of one thread.
 template <typename acc_t>
 struct ForwardWorkspace {
-  acc_t* qt;     // bq × dqk    scaled Qᵀ in panels of nr queries
-  acc_t* qr;     // kFewRows × dqk  scaled Q rows (blocks of few rows)
   acc_t* st;     // bkv × bq    scores, then probabilities, transposed
-  acc_t* o;      // bq × dv     unnormalised output (dv: Ev padded to the panel width)
   acc_t* k;      // bkv × dqk   widened key block (half-precision inputs)
   acc_t* v;      // bkv × dv    widened/padded value block (when not read in place)
   acc_t* mt;     // w × bkv     mask terms of w queries (general masks)
+  acc_t* terms;  // bkv × bq    mask terms shared by the item's heads (split.heads > 1)
   acc_t* dm;     // bkv × bq    dropout factors (when dropout is on)
-  acc_t* m;      // bq          running max
-  acc_t* l;      // bq          running sum
-  acc_t* alpha;  // bq          rescale factor of the current step
-  // Decoding: per head of the item, its query rows and state:
-  // heads × (kFewRows × dqk rows of Q, then m, l, alpha (bq each), o (kFewRows × dv)).
+  // Per head of the item (head_floats each): its scaled queries (Qᵀ in
+  // panels of nr queries, or rows when the block has few rows), then the
+  // running max m, sum l and rescale factor alpha (bq each), then the
+  // unnormalised output o (rows × dv). Decoding keeps kFewRows rows.
   acc_t* heads_state;
-  int64_t dv;
+  int64_t dv;    // Ev padded to the panel width
+  int64_t state_rows;  // query rows a head's state holds
 
   ForwardWorkspace(const AttentionParams& p, const WorkSplit& split, Arena<acc_t>& arena) {
     constexpr int64_t nr = panel_width<acc_t>(), w = Vectorized<acc_t>::size();
     const int64_t bq = split.block_q, bkv = split.block_kv;
     dv = round_up(p.dim_v, nr);
-    qt = arena.take(bq * p.dim_qk);
-    qr = arena.take(kFewRows * p.dim_qk);
+    state_rows = split.decode ? kFewRows : bq;
     st = arena.take(bkv * bq);
-    o = arena.take(bq * dv);
     k = arena.take(bkv * round_up(p.dim_qk, nr));
     v = arena.take(bkv * dv);
     mt = arena.take(w * round_up(bkv, w));
+    terms = split.heads > 1 && !split.decode ? arena.take(bkv * bq) : nullptr;
     dm = p.dropout.on() ? arena.take(bkv * bq) : nullptr;
-    m = arena.take(bq);
-    l = arena.take(bq);
-    alpha = arena.take(bq);
-    heads_state = split.decode ? arena.take(split.heads * head_floats(p, bq)) : nullptr;
+    heads_state = arena.take(split.heads * head_floats(p, bq));
   }
 
-  // The size of one head's decoding state (a multiple of a cache line).
+  // The size of one head's state (a multiple of a cache line).
   int64_t head_floats(const AttentionParams& p, int64_t bq) const {
-    return round_up(kFewRows * p.dim_qk + 3 * bq + kFewRows * dv, 64);
+    return round_up(state_rows * p.dim_qk + 3 * bq + state_rows * dv, 64);
   }
-  RowState<acc_t> state() const { return {m, l, alpha, o}; }
 };
 
 template <typename scalar_t, typename acc_t>
@@ -96,63 +89,78 @@ class ForwardKernel {
   ForwardKernel(const AttentionParams& p, const WorkSplit& split, Arena<acc_t> arena)
       : p_(p), split_(split), tiles_(p_), ws_(p, split, arena) {}
 
+  // One item = split_.heads outer indices (one, or the heads of a batch
+  // index when they share a mask) over one block of query rows. Each key
+  // block is taken by every head before the next: a shared mask's tile is
+  // read and transposed once for all of them.
   void run(int64_t item) {
     if (split_.decode) return run_decode(item);
     // Items cover the longest sequence; a shorter one's extra items do nothing.
     const int64_t nqb = div_up(p_.len_q, split_.block_q);
-    const int64_t o = item / nqb;
+    const int64_t heads = split_.heads, o0 = item / nqb * heads;
     const int64_t q0 = (item % nqb) * split_.block_q;
-    p_ = sequence_of(p_, o);
+    p_ = sequence_of(p_, o0);  // (heads of one item share their sequence)
     if (q0 >= p_.len_q) return;
     const int64_t rows = std::min(split_.block_q, p_.len_q - q0);
     const int64_t bq = round_up(rows, nr);  // queries in vector lanes, padded
 
     const bool few_rows = rows <= kFewRows && p_.softcap == 0;
-    if (few_rows) {
-      tiles_.pack_rows(p_.q, o, q0, rows, p_.dim_qk, static_cast<acc_t>(p_.scale), ws_.qr);
-    } else {
-      tiles_.pack_transposed(p_.q, o, q0, rows, bq, p_.dim_qk, static_cast<acc_t>(p_.scale),
-                             ws_.qt);
+    const acc_t scale = static_cast<acc_t>(p_.scale);
+    for (int64_t h = 0; h < heads; ++h) {
+      if (few_rows) {
+        tiles_.pack_rows(p_.q, o0 + h, q0, rows, p_.dim_qk, scale, head_rows(h, bq));
+      } else {
+        tiles_.pack_transposed(p_.q, o0 + h, q0, rows, bq, p_.dim_qk, scale, head_rows(h, bq));
+      }
+      start_rows(o0 + h, rows, bq, /*with_sink=*/true, head_state(h, bq));
     }
-    const RowState<acc_t> st = ws_.state();
-    start_rows(o, rows, bq, /*with_sink=*/true, st);
 
     // Only the keys the block's band can see (causal, sliding window): the
     // rest are skipped, not computed and masked.
-    auto [kv_begin, kv_end] = tiles_.key_range(o, q0, rows);
+    auto [kv_begin, kv_end] = key_range(o0, q0, rows);
     // (Blocks of a paged cache start at multiples of the block, so none
     // crosses a page; the band masks the keys this adds.)
     if (p_.pages.table) kv_begin = kv_begin / split_.block_kv * split_.block_kv;
     for (int64_t k0 = kv_begin; k0 < kv_end; k0 += split_.block_kv) {
       const int64_t cols = std::min(split_.block_kv, kv_end - k0);
-      if (k0 + cols < kv_end) {
+      for (int64_t h = 0; h < heads && k0 + cols < kv_end; ++h) {
         const int64_t next = std::min(split_.block_kv, kv_end - k0 - cols);
-        tiles_.prefetch_key_rows(Tiles::KeySide::K, o, k0 + cols, next, p_.dim_qk);
-        tiles_.prefetch_key_rows(Tiles::KeySide::V, o, k0 + cols, next, p_.dim_v);
+        tiles_.prefetch_key_rows(Tiles::KeySide::K, o0 + h, k0 + cols, next, p_.dim_qk);
+        tiles_.prefetch_key_rows(Tiles::KeySide::V, o0 + h, k0 + cols, next, p_.dim_v);
       }
-      int64_t ldk, ldv;
-      const acc_t* k = tiles_.key_rows_of(Tiles::KeySide::K, o, k0, cols, p_.dim_qk, false, ws_.k,
-                                                 &ldk);
-      if (few_rows) {
-        tiles_.few_row_scores(k, ldk, cols, ws_.qr, rows, bq, ws_.st);
-      } else {
-        tiles_.scores(k, ldk, cols, ws_.qt, bq, ws_.st);
+      const acc_t* terms = nullptr;
+      if (ws_.terms) {
+        tiles_.mask_terms(o0, q0, rows, bq, k0, cols, ws_.terms, ws_.mt);
+        terms = ws_.terms;
       }
-      tiles_.transform_scores(o, q0, rows, bq, k0, cols, ws_.st, ws_.mt);
-      softmax_step(bq, cols, st);
-      rescale_output(rows, st);
-      if (p_.dropout.on()) {
-        // The running sum normalises with every probability; the output
-        // accumulates only the kept ones, scaled by 1/(1 - p).
-        tiles_.dropout_factors(o, q0, rows, bq, k0, cols, ws_.dm);
-        Tiles::scale_by(ws_.st, ws_.dm, cols, bq);
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t o = o0 + h;
+        const RowState<acc_t> st = head_state(h, bq);
+        int64_t ldk, ldv;
+        const acc_t* k =
+            tiles_.key_rows_of(Tiles::KeySide::K, o, k0, cols, p_.dim_qk, false, ws_.k, &ldk);
+        if (few_rows) {
+          tiles_.few_row_scores(k, ldk, cols, head_rows(h, bq), rows, bq, ws_.st);
+        } else {
+          tiles_.scores(k, ldk, cols, head_rows(h, bq), bq, ws_.st);
+        }
+        tiles_.transform_scores(o, q0, rows, bq, k0, cols, ws_.st, ws_.mt, nullptr,
+                                /*shared_terms=*/terms != nullptr);
+        softmax_step(bq, cols, st, terms);
+        rescale_output(rows, st);
+        if (p_.dropout.on()) {
+          // The running sum normalises with every probability; the output
+          // accumulates only the kept ones, scaled by 1/(1 - p).
+          tiles_.dropout_factors(o, q0, rows, bq, k0, cols, ws_.dm);
+          Tiles::scale_by(ws_.st, ws_.dm, cols, bq);
+        }
+        const acc_t* v =
+            tiles_.key_rows_of(Tiles::KeySide::V, o, k0, cols, p_.dim_v, true, ws_.v, &ldv);
+        gemm<acc_t, /*kRowsOfA=*/false, /*kAccumulate=*/true>(
+            rows, ws_.dv, cols, ws_.st, bq, [&](int64_t e) { return v + e; }, ldv, st.o, ws_.dv);
       }
-      const acc_t* v = tiles_.key_rows_of(Tiles::KeySide::V, o, k0, cols, p_.dim_v, true, ws_.v,
-                                                 &ldv);
-      gemm<acc_t, /*kRowsOfA=*/false, /*kAccumulate=*/true>(
-          rows, ws_.dv, cols, ws_.st, bq, [&](int64_t e) { return v + e; }, ldv, st.o, ws_.dv);
     }
-    write_output(o, q0, rows, st);
+    for (int64_t h = 0; h < heads; ++h) write_output(o0 + h, q0, rows, head_state(h, bq));
   }
 
   // Decoding: one item = split_.heads outer indices (the heads of a batch
@@ -167,11 +175,7 @@ class ForwardKernel {
     p_ = sequence_of(p_, o0);  // (a group's heads share their sequence)
     const int64_t rows = p_.len_q, bq = round_up(std::max<int64_t>(rows, 1), nr);
     // The chunk's keys within what any head of the group can see.
-    int64_t kv_begin = p_.len_kv, kv_end = 0;
-    for (int64_t h = 0; h < heads; ++h) {
-      const auto [b, e] = tiles_.key_range(o0 + h, 0, rows);
-      if (b < e) kv_begin = std::min(kv_begin, b), kv_end = std::max(kv_end, e);
-    }
+    auto [kv_begin, kv_end] = key_range(o0, 0, rows);
     const int64_t chunk_len = chunk_length(p_.len_kv);
     kv_begin = std::max(kv_begin, chunk * chunk_len);
     kv_end = std::min(kv_end, (chunk + 1) * chunk_len);
@@ -228,7 +232,7 @@ class ForwardKernel {
     const int64_t o0 = g * split_.heads;
     p_ = sequence_of(p_, o0);
     const int64_t rows = p_.len_q, dv = ws_.dv;
-    const RowState<acc_t> st = ws_.state();
+    const RowState<acc_t> st = head_state(0, round_up(std::max<int64_t>(rows, 1), nr));
     for (int64_t h = 0; h < split_.heads; ++h) {
       for (int64_t i = 0; i < rows; ++i) {
         acc_t top = neg_inf<acc_t>();
@@ -257,13 +261,23 @@ class ForwardKernel {
   }
 
  private:
-  // The decoding state of the item's head h.
+  // The state of the item's head h: its query rows, and its RowState.
   acc_t* head_rows(int64_t h, int64_t bq) const {
     return ws_.heads_state + h * ws_.head_floats(p_, bq);
   }
   RowState<acc_t> head_state(int64_t h, int64_t bq) const {
-    acc_t* base = head_rows(h, bq) + kFewRows * p_.dim_qk;
+    acc_t* base = head_rows(h, bq) + ws_.state_rows * p_.dim_qk;
     return {base, base + bq, base + 2 * bq, base + 3 * bq};
+  }
+  // The keys any of the heads o0.. of an item can see (the band, and each
+  // head's padding: keys past a head's own length are masked in its tiles).
+  std::pair<int64_t, int64_t> key_range(int64_t o0, int64_t q0, int64_t rows) const {
+    int64_t begin = p_.len_kv, end = 0;
+    for (int64_t h = 0; h < split_.heads; ++h) {
+      const auto [b, e] = tiles_.key_range(o0 + h, q0, rows);
+      if (b < e) begin = std::min(begin, b), end = std::max(end, e);
+    }
+    return {std::min(begin, end), end};
   }
   // Keys per chunk: a multiple of the key block.
   int64_t chunk_length(int64_t len_kv) const {
@@ -292,18 +306,33 @@ class ForwardKernel {
 
   // Folds the block's scores into the running max/sum of each query and
   // turns them into probabilities relative to the new max; alpha[i] is the
-  // factor the output accumulated so far must be rescaled by.
-  void softmax_step(int64_t bq, int64_t cols, const RowState<acc_t>& st) {
+  // factor the output accumulated so far must be rescaled by. With terms
+  // (a shared mask's tile, laid out like Sᵀ), they are added to the scores
+  // first, in the pass that finds the max.
+  void softmax_step(int64_t bq, int64_t cols, const RowState<acc_t>& st,
+                    const acc_t* terms = nullptr) {
     // Two vectors of queries at a time: two independent dependency chains,
     // and each key row of Sᵀ is read as one contiguous panel.
     const Vec vneg_inf(neg_inf<acc_t>()), zero(acc_t(0));
     for (int64_t c = 0; c < bq; c += nr) {
       const Vec m_old0 = Vec::loadu(st.m + c), m_old1 = Vec::loadu(st.m + c + w);
       Vec max0 = m_old0, max1 = m_old1;
-      for (int64_t j = 0; j < cols; ++j) {
-        const acc_t* s = ws_.st + j * bq + c;
-        max0 = at::vec::maximum(max0, Vec::loadu(s));
-        max1 = at::vec::maximum(max1, Vec::loadu(s + w));
+      if (terms) {
+        for (int64_t j = 0; j < cols; ++j) {
+          acc_t* s = ws_.st + j * bq + c;
+          const acc_t* t = terms + j * bq + c;
+          const Vec s0 = Vec::loadu(s) + Vec::loadu(t), s1 = Vec::loadu(s + w) + Vec::loadu(t + w);
+          s0.store(s);
+          s1.store(s + w);
+          max0 = at::vec::maximum(max0, s0);
+          max1 = at::vec::maximum(max1, s1);
+        }
+      } else {
+        for (int64_t j = 0; j < cols; ++j) {
+          const acc_t* s = ws_.st + j * bq + c;
+          max0 = at::vec::maximum(max0, Vec::loadu(s));
+          max1 = at::vec::maximum(max1, Vec::loadu(s + w));
+        }
       }
       // A query that has seen no attendable key yet keeps max -inf; subtract
       // 0 instead so that exp gives 0 rather than NaN.
@@ -375,15 +404,35 @@ class ForwardKernel {
   ForwardWorkspace<acc_t> ws_;
 };
 
+// Heads per item: with a mask that every head shares (mask_shared_by_heads),
+// as many heads of a batch index as keep their states within kHeadsBytes
+// (half of a typical per-core L2), so that each mask tile is read and
+// transposed once for them; else 1.
+constexpr int64_t kHeadsBytes = 1024 * 1024;
+template <typename acc_t>
+int64_t heads_sharing_mask(const AttentionParams& p) {
+  if (p.seq.on() || !mask_shared_by_heads(p)) return 1;
+  const int64_t h = p.outer.size[p.outer.dims - 1];
+  constexpr int64_t nr = panel_width<acc_t>();
+  const int64_t rows = kMaxBlockQ;
+  const int64_t per_head = static_cast<int64_t>(sizeof(acc_t)) *
+                           (rows * p.dim_qk + 3 * rows + rows * round_up(p.dim_v, nr));
+  int64_t heads = std::clamp<int64_t>(kHeadsBytes / std::max<int64_t>(per_head, 1), 1, h);
+  while (h % heads != 0) --heads;
+  return heads;
+}
+
 template <typename acc_t>
 WorkSplit configure(const AttentionParams& p, int64_t threads) {
   constexpr int64_t nr = panel_width<acc_t>();
   WorkSplit split;
-  split.block_q = band_block(p, std::min(work_block(p.len_q, p.num_outer, threads, nr, kMaxBlockQ),
-                                          round_up(std::max<int64_t>(p.len_q, 1), nr)),
-                             nr);
+  split.heads = heads_sharing_mask<acc_t>(p);
+  split.block_q = band_block(
+      p, std::min(work_block(p.len_q, p.num_outer / split.heads, threads, nr, kMaxBlockQ),
+                  round_up(std::max<int64_t>(p.len_q, 1), nr)),
+      nr);
   split.block_kv = paged_block(p, std::min(kBlockKV, std::max<int64_t>(p.len_kv, 1)));
-  split.items = p.num_outer * div_up(p.len_q, split.block_q);
+  split.items = p.num_outer / split.heads * div_up(p.len_q, split.block_q);
   // Decoding: few query rows (one block) against long keys.
   if (p.len_q > 0 && p.len_q <= kFewRows && p.softcap == 0 && !p.dropout.on() &&
       p.len_kv >= kMinChunkBlocks * split.block_kv) {

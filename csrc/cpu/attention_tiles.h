@@ -409,6 +409,15 @@ inline int64_t band_block(const AttentionParams& p, int64_t block, int64_t granu
   return std::clamp(band / 8 / granule * granule, granule, block);
 }
 
+// Whether one tile of mask terms serves every head: a mask that differs per
+// query row (not a key padding row) and is broadcast over the heads (the
+// last outer dim). The forward then reads and transposes each mask tile once
+// for the heads of an item (TileReader::mask_terms), not once per head.
+inline bool mask_shared_by_heads(const AttentionParams& p) {
+  return p.mask_kind != MaskKind::None && p.mask.row_stride != 0 && p.outer.dims > 0 &&
+         p.mask.outer_stride[p.outer.dims - 1] == 0;
+}
+
 // Carves a thread's scratch memory into arrays; with a null base it only
 // counts, so the same code sizes the workspace and lays it out.
 template <typename acc_t>
@@ -607,9 +616,11 @@ class TileReader {
   // the band (causal, sliding window), the explicit mask. With softcap and
   // dcap given, dcap first gets each element's d(capped)/d(score) = 1 − tanh²
   // = 1 − (capped / c)², laid out like st (the backward's chain rule). mt is
-  // scratch of w × round_up(cols, w).
+  // scratch of w × round_up(cols, w). With shared_terms, the mask is left
+  // out: the caller adds mask_terms' tile (shared by several heads) itself.
   void transform_scores(int64_t o, int64_t q0, int64_t rows, int64_t bq, int64_t k0,
-                        int64_t cols, acc_t* st, acc_t* mt, acc_t* dcap = nullptr) const {
+                        int64_t cols, acc_t* st, acc_t* mt, acc_t* dcap = nullptr,
+                        bool shared_terms = false) const {
     if (p_.softcap > 0 && dcap) softcap_derivative(cols * bq, st, dcap);
     if (p_.alibi_slopes.data) apply_alibi(o, q0, bq, k0, cols, st);
     if (has_band(p_)) apply_band(q0, rows, bq, k0, cols, st);
@@ -618,11 +629,23 @@ class TileReader {
     for (int64_t j = std::max<int64_t>(keys - k0, 0); j < cols; ++j) {
       std::fill(st + j * bq, st + (j + 1) * bq, neg_inf<acc_t>());
     }
-    switch (p_.mask_kind) {
-      case MaskKind::None: return;
-      case MaskKind::Bool: return apply_mask<bool>(o, q0, rows, bq, k0, cols, st, mt);
-      case MaskKind::Additive: return apply_mask<scalar_t>(o, q0, rows, bq, k0, cols, st, mt);
-      case MaskKind::AdditiveFloat32: return apply_mask<float>(o, q0, rows, bq, k0, cols, st, mt);
+    if (shared_terms) return;
+    with_mask_type([&](auto mask) {
+      apply_mask<decltype(mask), /*kAdd=*/true>(o, q0, rows, bq, k0, cols, st, mt);
+    });
+  }
+
+  // The mask's additive terms of the tile (keys k0..k0+cols, queries
+  // q0..q0+rows of outer index o), laid out like Sᵀ in terms (bkv × bq):
+  // what transform_scores would add (0 in the padded lanes, which it leaves alone).
+  void mask_terms(int64_t o, int64_t q0, int64_t rows, int64_t bq, int64_t k0, int64_t cols,
+                  acc_t* terms, acc_t* mt) const {
+    with_mask_type([&](auto mask) {
+      apply_mask<decltype(mask), /*kAdd=*/false>(o, q0, rows, bq, k0, cols, terms, mt);
+    });
+    const int64_t lanes = round_up(rows, w);
+    for (int64_t j = 0; lanes < bq && j < cols; ++j) {
+      std::fill(terms + j * bq + lanes, terms + (j + 1) * bq, acc_t(0));
     }
   }
 
@@ -790,7 +813,20 @@ class TileReader {
   template <typename mask_t>
   static acc_t additive(mask_t value) { return static_cast<acc_t>(value); }
 
-  template <typename mask_t>
+  // Calls f with a value of the mask's element type (none: not called).
+  template <typename F>
+  void with_mask_type(const F& f) const {
+    switch (p_.mask_kind) {
+      case MaskKind::None: return;
+      case MaskKind::Bool: return f(bool{});
+      case MaskKind::Additive: return f(scalar_t{});
+      case MaskKind::AdditiveFloat32: return f(float{});
+    }
+  }
+
+  // kAdd: st += the mask's terms of the tile; otherwise st = them (general
+  // masks only; lanes from round_up(rows, w) on are left alone either way).
+  template <typename mask_t, bool kAdd>
   void apply_mask(int64_t o, int64_t q0, int64_t rows, int64_t bq, int64_t k0, int64_t cols,
                   acc_t* st, acc_t* mt) const {
     const Matrix& mk = p_.mask;
@@ -802,7 +838,7 @@ class TileReader {
       for (int64_t j = 0; j < cols; ++j) {
         const Vec term(additive(base[j * cs]));
         acc_t* s = st + j * bq;
-        for (int64_t i = 0; i < rows; i += w) (Vec::loadu(s + i) + term).store(s + i);
+        for (int64_t i = 0; i < rows; i += w) (kAdd ? Vec::loadu(s + i) + term : term).store(s + i);
       }
       return;
     }
@@ -828,7 +864,12 @@ class TileReader {
         transpose_block(mt + j0, ldm, block);
         for (int64_t j = j0; j < std::min(j0 + w, cols); ++j) {
           acc_t* s = st + j * bq + i0;
-          (Vec::loadu(s) + Vec::loadu(block + (j - j0) * w)).store(s);
+          const Vec term = Vec::loadu(block + (j - j0) * w);
+          if constexpr (kAdd) {
+            (Vec::loadu(s) + term).store(s);
+          } else {
+            term.store(s);
+          }
         }
       }
     }

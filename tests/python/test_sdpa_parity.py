@@ -147,6 +147,53 @@ def test_mask_strided_columns(rand):
     assert_attention_close(sdpa(q, k, v, attn_mask=mask), q, k, v, attn_mask=mask)
 
 
+SHARED_MASK_VARIANTS = {
+    "plain": dict(),
+    "causal": dict(is_causal=True),
+    "window_softcap": dict(window_left=40, window_right=9, softcap=2.5),
+    "alibi_sinks": dict(alibi=True, sinks=True),
+    "dropout": dict(dropout_p=0.3),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("H,E", [(6, 40), (16, 128)])
+@pytest.mark.parametrize("kind", ["bool", "float", "float_per_batch"])
+@pytest.mark.parametrize("variant", list(SHARED_MASK_VARIANTS))
+def test_mask_shared_by_heads_equals_per_head_mask(dtype, H, E, kind, variant):
+    """A mask broadcast over the heads is read once per tile for several heads of a CPU work
+    item; the same mask materialised per head is read per head. The two give the same bits
+    (the same arithmetic, in the same order), outputs and log-sum-exp, with every variant,
+    GQA and dropout (the same stream); (16, 128) has several items per batch index. (L = 120:
+    no query block is short enough for the few-rows path in either layout.)"""
+    B, L, S, Hkv = 2, 120, 150, H // 2
+    q = torch.randn(B, H, L, E, dtype=dtype)
+    k, v = torch.randn(B, Hkv, S, E, dtype=dtype), torch.randn(B, Hkv, S, E, dtype=dtype)
+    if kind == "bool":
+        mask = torch.rand(L, S) > 0.3
+    elif kind == "float":
+        mask = torch.randn(L, S, dtype=dtype).masked_fill(torch.rand(L, S) < 0.2, float("-inf"))
+    else:
+        mask = torch.randn(B, 1, L, S, dtype=dtype)
+    kw = dict(SHARED_MASK_VARIANTS[variant])
+    dropout_p, is_causal = kw.pop("dropout_p", 0.0), kw.pop("is_causal", False)
+    if kw.pop("alibi", False):
+        kw["alibi_slopes"] = torch.rand(H, dtype=torch.float64) * 0.3
+    if kw.pop("sinks", False):
+        kw["sinks"] = torch.randn(H, dtype=dtype)
+    stream = torch.tensor([1234, 5678], dtype=torch.int64)
+    per_head = mask.expand(B, H, L, S).contiguous()
+    assert per_head.stride(1) != 0 and mask.expand(B, H, L, S).stride(1) == 0
+    runs = [torch.ops.fusedmha.attention_forward(q, k, v, m, dropout_p, is_causal, None, True, **kw,
+                                                 dropout_state=stream)
+            for m in (mask.expand(B, H, L, S), per_head)]
+    (out, lse, _), (want_out, want_lse, _) = runs
+    assert torch.equal(out, want_out)
+    assert torch.equal(lse, want_lse)
+    if variant == "plain":
+        assert_attention_close(out, q, k, v, attn_mask=mask, enable_gqa=True)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("hq,hk", [(8, 1), (8, 2), (6, 3), (4, 4)])
 @pytest.mark.parametrize("is_causal", [False, True])
