@@ -31,6 +31,8 @@ constexpr int64_t kFewRows = 8;
 constexpr int64_t kMinChunkBlocks = 4;
 constexpr int64_t kDecodeBlockKV = 16;
 constexpr int64_t kMinChunkKeys = 1024;
+// ln 256: a running max moves only when a block's max passes it by more.
+constexpr double kRescaleSlack = 5.545177444479562;
 
 // The running softmax state of a block of query rows: max, sum, the
 // current step's rescale factor, and the unnormalised output.
@@ -147,7 +149,7 @@ class ForwardKernel {
         tiles_.transform_scores(o, q0, rows, bq, k0, cols, ws_.st, ws_.mt, nullptr,
                                 /*shared_terms=*/terms != nullptr);
         softmax_step(bq, cols, st, terms);
-        rescale_output(rows, st);
+        if (k0 != kv_begin) rescale_output(rows, st);  // (the first block's output is 0)
         if (p_.dropout.on()) {
           // The running sum normalises with every probability; the output
           // accumulates only the kept ones, scaled by 1/(1 - p).
@@ -204,7 +206,7 @@ class ForwardKernel {
         tiles_.few_row_scores(k, ldk, cols, head_rows(h, bq), rows, bq, ws_.st);
         tiles_.transform_scores(o, 0, rows, bq, k0, cols, ws_.st, ws_.mt);
         softmax_step(bq, cols, st);
-        rescale_output(rows, st);
+        if (k0 != kv_begin) rescale_output(rows, st);  // (the first block's output is 0)
         const acc_t* v =
             tiles_.key_rows_of(Tiles::KeySide::V, o, k0, cols, p_.dim_v, true, ws_.v, &ldv);
         gemm<acc_t, /*kRowsOfA=*/false, /*kAccumulate=*/true>(
@@ -334,6 +336,15 @@ class ForwardKernel {
           max1 = at::vec::maximum(max1, Vec::loadu(s + w));
         }
       }
+      // The running max moves only when the block's max passes it by more
+      // than kRescaleSlack: otherwise the old one stays, alpha is exactly 1
+      // and the output needs no rescaling pass (probabilities of up to 256
+      // relative to the max kept are well within range, and the sum and
+      // lse stay exact for any reference). A max of −inf, NaN or +inf
+      // always moves (the compare is false).
+      const Vec slack(static_cast<acc_t>(kRescaleSlack));
+      max0 = Vec::blendv(max0, m_old0, (max0 - m_old0) <= slack);
+      max1 = Vec::blendv(max1, m_old1, (max1 - m_old1) <= slack);
       // A query that has seen no attendable key yet keeps max -inf; subtract
       // 0 instead so that exp gives 0 rather than NaN.
       const Vec use0 = Vec::blendv(max0, zero, max0 == vneg_inf);
