@@ -3,6 +3,11 @@ F.scaled_dot_product_attention (its fused CPU flash kernel) vs an unfused textbo
 implementation, timed in alternation (median per call). Prints time, GFLOP/s and the ratios
 (>1 = fusedmha faster), then the peak extra memory of a 16k×16k attention.
 
+Variants: plain, causal, a float (L, S) mask ("mask"), and a bool key padding mask of shape
+(B, 1, 1, S) that pads the last eighth of the keys ("pad"). For the two masks, "of plain" is
+fusedmha's unmasked time over its masked time, the plain call timed in the same alternation
+(GFLOP/s count the full L·S work either way).
+
     python benchmarks/bench_sdpa_cpu.py [--quick] [--lengths 256 1024 4096]
 """
 
@@ -25,15 +30,20 @@ def run_speed(lengths, dtypes, B, H, E, min_time):
           f"next to each row (now {fma_peak_gflops(0.25):.0f} GFLOP/s)")
     header = (f"{'dtype':9s} {'L=S':>6s} {'variant':8s} {'fusedmha ms':>12s} {'GFLOP/s':>8s} {'%peak':>6s} "
               f"{'torch ms':>9s} {'GFLOP/s':>8s} {'%peak':>6s} {'vs torch':>9s} {'unfused ms':>11s} "
-              f"{'vs unfused':>11s}")
+              f"{'vs unfused':>11s} {'of plain':>9s}")
     print(header)
     print("-" * len(header))
     for dtype in dtypes:
         for L in lengths:
             q, k, v = (torch.randn(B, H, L, E, dtype=dtype) for _ in range(3))
             mask = torch.randn(L, L, dtype=dtype)
-            for variant in ["plain", "causal", "mask"]:
-                kw = {"is_causal": True} if variant == "causal" else {"attn_mask": mask} if variant == "mask" else {}
+            padding = torch.ones(B, 1, 1, L, dtype=torch.bool)
+            padding[..., L - L // 8:] = False  # (True = may attend)
+            masks = {"mask": mask, "pad": padding}
+            for variant in ["plain", "causal", "mask", "pad"]:
+                kw = {"is_causal": True} if variant == "causal" else {}
+                if variant in masks:
+                    kw["attn_mask"] = masks[variant]
                 fns = [lambda: fusedmha.scaled_dot_product_attention(q, k, v, **kw),
                        lambda: F.scaled_dot_product_attention(q, k, v, **kw)]
                 # The unfused version needs B·H·L·S scores (and takes a minute per call in
@@ -41,6 +51,8 @@ def run_speed(lengths, dtypes, B, H, E, min_time):
                 with_unfused = B * H * L * L * q.element_size() <= 512 << 20
                 if with_unfused:
                     fns.append(lambda: unfused_attention(q, k, v, **kw))
+                if variant in masks:
+                    fns.append(lambda: fusedmha.scaled_dot_product_attention(q, k, v))
                 peak = fma_peak_gflops()  # next to the timing: the clock drifts
                 times = time_interleaved(fns, min_time)
                 t_f, t_t = times[0], times[1]
@@ -48,11 +60,12 @@ def run_speed(lengths, dtypes, B, H, E, min_time):
                     unfused = f"{times[2] * 1e3:11.2f} {times[2] / t_f:10.2f}x"
                 else:
                     unfused = f"{'-':>11s} {'-':>11s}"
+                of_plain = f"{times[-1] / t_f:8.2f}x" if variant in masks else f"{'-':>9s}"
                 flops = attention_flops(B, H, L, L, E, variant == "causal")
                 g_f, g_t = flops / t_f / 1e9, flops / t_t / 1e9
                 print(f"{str(dtype).replace('torch.', ''):9s} {L:6d} {variant:8s} {t_f * 1e3:12.2f} "
                       f"{g_f:8.1f} {100 * g_f / peak:5.0f}% {t_t * 1e3:9.2f} {g_t:8.1f} "
-                      f"{100 * g_t / peak:5.0f}% {t_t / t_f:8.2f}x {unfused}", flush=True)
+                      f"{100 * g_t / peak:5.0f}% {t_t / t_f:8.2f}x {unfused} {of_plain}", flush=True)
 
 
 IMPLEMENTATIONS = {
