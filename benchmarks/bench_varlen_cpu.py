@@ -5,6 +5,11 @@ call), forward only:
   - PyTorch's F.scaled_dot_product_attention on the padded batch with its key padding mask;
   - fusedmha.scaled_dot_product_attention on the same padded batch and mask.
 GFLOP/s count only the real (unpadded) work, against this machine's fp32 FMA peak.
+"work ratio" is the padded call's work over the packed call's: fusedmha's padded path skips
+the padded keys (suffix padding), so it computes S·len scores for a sequence of len tokens
+(its padded queries still attend to its keys) against len² packed — the most packing can
+gain over it when both run at the same speed (not causal; with --causal the padded call gets
+a dense mask and computes everything).
 
     python benchmarks/bench_varlen_cpu.py [--quick] [--batch 32] [--min-len 32] [--max-len 512]
 """
@@ -41,7 +46,7 @@ def main():
           f"{a.max_len}] causal={a.causal} float32, forward")
     header = (f"{'seed':>4s} {'tokens':>7s} {'pad %':>6s} {'varlen ms':>10s} {'GFLOP/s':>8s} "
               f"{'% peak':>7s} {'torch pad ms':>13s} {'fused pad ms':>13s} {'vs torch':>9s} "
-              f"{'vs fused pad':>13s}")
+              f"{'vs fused pad':>13s} {'work ratio':>11s}")
     print(header)
     print("-" * len(header))
     for seed in a.seeds:
@@ -70,9 +75,11 @@ def main():
         flops = sum(4 * H * int(n) * int(n) * E for n in lens) / (2 if a.causal else 1)
         gflops = flops / t_v / 1e9
         pad = 100 * (1 - total / (B * S))
+        work = sum(S * int(n) for n in lens) / sum(int(n) * int(n) for n in lens)
+        work_ratio = f"{'-':>11s}" if a.causal else f"{work:10.2f}x"
         print(f"{seed:4d} {total:7d} {pad:5.0f}% {t_v * 1e3:10.2f} {gflops:8.1f} "
               f"{100 * gflops / peak:6.0f}% {t_t * 1e3:13.2f} {t_f * 1e3:13.2f} "
-              f"{t_t / t_v:8.2f}x {t_f / t_v:12.2f}x", flush=True)
+              f"{t_t / t_v:8.2f}x {t_f / t_v:12.2f}x {work_ratio}", flush=True)
 
 
 if __name__ == "__main__":

@@ -130,6 +130,12 @@ class ForwardKernel {
         tiles_.prefetch_key_rows(Tiles::KeySide::K, o0 + h, k0 + cols, next, p_.dim_qk);
         tiles_.prefetch_key_rows(Tiles::KeySide::V, o0 + h, k0 + cols, next, p_.dim_v);
       }
+      // The query lanes [lane0, lane1) that see any of the block's keys: in
+      // a band's corners (the diagonal's blocks, causal), whole panels of
+      // queries see none and are neither computed nor updated.
+      const auto [lane0, lane1] = few_rows ? std::pair<int64_t, int64_t>{0, bq}
+                                           : seeing_lanes(q0, rows, bq, k0, cols);
+      const int64_t lane_rows = std::min(rows, lane1) - lane0;
       const acc_t* terms = nullptr;
       if (ws_.terms) {
         tiles_.mask_terms(o0, q0, rows, bq, k0, cols, ws_.terms, ws_.mt);
@@ -144,12 +150,12 @@ class ForwardKernel {
         if (few_rows) {
           tiles_.few_row_scores(k, ldk, cols, head_rows(h, bq), rows, bq, ws_.st);
         } else {
-          tiles_.scores(k, ldk, cols, head_rows(h, bq), bq, ws_.st);
+          tiles_.scores(k, ldk, cols, head_rows(h, bq), bq, ws_.st, lane0, lane1);
         }
         tiles_.transform_scores(o, q0, rows, bq, k0, cols, ws_.st, ws_.mt, nullptr,
                                 /*shared_terms=*/terms != nullptr);
-        softmax_step(bq, cols, st, terms);
-        if (k0 != kv_begin) rescale_output(rows, st);  // (the first block's output is 0)
+        softmax_step(bq, cols, st, terms, lane0, lane1);
+        if (k0 != kv_begin) rescale_output(lane0, lane0 + lane_rows, st);  // (the first block's output is 0)
         if (p_.dropout.on()) {
           // The running sum normalises with every probability; the output
           // accumulates only the kept ones, scaled by 1/(1 - p).
@@ -159,7 +165,8 @@ class ForwardKernel {
         const acc_t* v =
             tiles_.key_rows_of(Tiles::KeySide::V, o, k0, cols, p_.dim_v, true, ws_.v, &ldv);
         gemm<acc_t, /*kRowsOfA=*/false, /*kAccumulate=*/true>(
-            rows, ws_.dv, cols, ws_.st, bq, [&](int64_t e) { return v + e; }, ldv, st.o, ws_.dv);
+            lane_rows, ws_.dv, cols, ws_.st + lane0, bq, [&](int64_t e) { return v + e; }, ldv,
+            st.o + lane0 * ws_.dv, ws_.dv);
       }
     }
     for (int64_t h = 0; h < heads; ++h) write_output(o0 + h, q0, rows, head_state(h, bq));
@@ -206,7 +213,7 @@ class ForwardKernel {
         tiles_.few_row_scores(k, ldk, cols, head_rows(h, bq), rows, bq, ws_.st);
         tiles_.transform_scores(o, 0, rows, bq, k0, cols, ws_.st, ws_.mt);
         softmax_step(bq, cols, st);
-        if (k0 != kv_begin) rescale_output(rows, st);  // (the first block's output is 0)
+        if (k0 != kv_begin) rescale_output(0, rows, st);  // (the first block's output is 0)
         const acc_t* v =
             tiles_.key_rows_of(Tiles::KeySide::V, o, k0, cols, p_.dim_v, true, ws_.v, &ldv);
         gemm<acc_t, /*kRowsOfA=*/false, /*kAccumulate=*/true>(
@@ -271,6 +278,17 @@ class ForwardKernel {
     acc_t* base = head_rows(h, bq) + ws_.state_rows * p_.dim_qk;
     return {base, base + bq, base + 2 * bq, base + 3 * bq};
   }
+  // The query lanes [lane0, lane1) of a block (queries q0..q0+rows in bq
+  // lanes) that can see any of keys k0..k0+cols: whole panels, lane0 below
+  // rows. All of them with dropout (its factors are drawn for the whole tile).
+  std::pair<int64_t, int64_t> seeing_lanes(int64_t q0, int64_t rows, int64_t bq, int64_t k0,
+                                           int64_t cols) const {
+    if (!has_band(p_) || p_.dropout.on()) return {0, bq};
+    const int64_t first = std::clamp<int64_t>(band_query_begin(p_, k0) - q0, 0, rows - 1);
+    const int64_t last = std::clamp<int64_t>(band_query_end(p_, k0 + cols) - q0, first + 1, rows);
+    return {first / nr * nr, round_up(last, nr)};
+  }
+
   // The keys any of the heads o0.. of an item can see (the band, and each
   // head's padding: keys past a head's own length are masked in its tiles).
   std::pair<int64_t, int64_t> key_range(int64_t o0, int64_t q0, int64_t rows) const {
@@ -312,11 +330,11 @@ class ForwardKernel {
   // (a shared mask's tile, laid out like Sᵀ), they are added to the scores
   // first, in the pass that finds the max.
   void softmax_step(int64_t bq, int64_t cols, const RowState<acc_t>& st,
-                    const acc_t* terms = nullptr) {
+                    const acc_t* terms = nullptr, int64_t lane0 = 0, int64_t lane1 = -1) {
     // Two vectors of queries at a time: two independent dependency chains,
     // and each key row of Sᵀ is read as one contiguous panel.
     const Vec vneg_inf(neg_inf<acc_t>()), zero(acc_t(0));
-    for (int64_t c = 0; c < bq; c += nr) {
+    for (int64_t c = lane0; c < (lane1 < 0 ? bq : lane1); c += nr) {
       const Vec m_old0 = Vec::loadu(st.m + c), m_old1 = Vec::loadu(st.m + c + w);
       Vec max0 = m_old0, max1 = m_old1;
       if (terms) {
@@ -370,8 +388,9 @@ class ForwardKernel {
     }
   }
 
-  void rescale_output(int64_t rows, const RowState<acc_t>& st) {
-    for (int64_t i = 0; i < rows; ++i) {
+  // Rows [begin, end) of the output times their alpha.
+  void rescale_output(int64_t begin, int64_t end, const RowState<acc_t>& st) {
+    for (int64_t i = begin; i < end; ++i) {
       const acc_t a = st.alpha[i];
       if (a == acc_t(1)) continue;
       acc_t* acc = st.o + i * ws_.dv;
