@@ -47,12 +47,12 @@ struct RowState {
 // Scratch of one thread.
 template <typename acc_t>
 struct ForwardWorkspace {
-  acc_t* st;     // bkv × bq    scores, then probabilities, transposed
+  acc_t* st;     // bkv × nr    scores, then probabilities, of one panel of queries, transposed
   acc_t* k;      // bkv × dqk   widened key block (half-precision inputs)
   acc_t* v;      // bkv × dv    widened/padded value block (when not read in place)
   acc_t* mt;     // w × bkv     mask terms of w queries (general masks)
-  acc_t* terms;  // bkv × bq    mask terms shared by the item's heads (split.heads > 1)
-  acc_t* dm;     // bkv × bq    dropout factors (when dropout is on)
+  acc_t* terms;  // bkv × bq    mask terms shared by the item's heads (split.heads > 1), by panel
+  acc_t* dm;     // bkv × nr    dropout factors of a panel (when dropout is on)
   // Per head of the item (head_floats each): its scaled queries (Qᵀ in
   // panels of nr queries, or rows when the block has few rows), then the
   // running max m, sum l and rescale factor alpha (bq each), then the
@@ -66,12 +66,12 @@ struct ForwardWorkspace {
     const int64_t bq = split.block_q, bkv = split.block_kv;
     dv = round_up(p.dim_v, nr);
     state_rows = split.decode ? kFewRows : bq;
-    st = arena.take(bkv * bq);
+    st = arena.take(bkv * nr);
     k = arena.take(bkv * round_up(p.dim_qk, nr));
     v = arena.take(bkv * dv);
     mt = arena.take(w * round_up(bkv, w));
     terms = split.heads > 1 && !split.decode ? arena.take(bkv * bq) : nullptr;
-    dm = p.dropout.on() ? arena.take(bkv * bq) : nullptr;
+    dm = p.dropout.on() ? arena.take(bkv * nr) : nullptr;
     heads_state = arena.take(split.heads * head_floats(p, bq));
   }
 
@@ -130,16 +130,16 @@ class ForwardKernel {
         tiles_.prefetch_key_rows(Tiles::KeySide::K, o0 + h, k0 + cols, next, p_.dim_qk);
         tiles_.prefetch_key_rows(Tiles::KeySide::V, o0 + h, k0 + cols, next, p_.dim_v);
       }
-      // The query lanes [lane0, lane1) that see any of the block's keys: in
+      // The query panels [lane0, lane1) that see any of the block's keys: in
       // a band's corners (the diagonal's blocks, causal), whole panels of
       // queries see none and are neither computed nor updated.
-      const auto [lane0, lane1] = few_rows ? std::pair<int64_t, int64_t>{0, bq}
-                                           : seeing_lanes(q0, rows, bq, k0, cols);
-      const int64_t lane_rows = std::min(rows, lane1) - lane0;
-      const acc_t* terms = nullptr;
+      const auto [lane0, lane1] = seeing_lanes(q0, rows, bq, k0, cols);
       if (ws_.terms) {
-        tiles_.mask_terms(o0, q0, rows, bq, k0, cols, ws_.terms, ws_.mt);
-        terms = ws_.terms;
+        // (Panel c's terms at terms + c·bkv: laid out like its scores.)
+        for (int64_t c = lane0; c < lane1; c += nr) {
+          tiles_.mask_terms(o0, q0 + c, std::min(nr, rows - c), nr, k0, cols,
+                            ws_.terms + c * split_.block_kv, ws_.mt);
+        }
       }
       for (int64_t h = 0; h < heads; ++h) {
         const int64_t o = o0 + h;
@@ -147,26 +147,33 @@ class ForwardKernel {
         int64_t ldk, ldv;
         const acc_t* k =
             tiles_.key_rows_of(Tiles::KeySide::K, o, k0, cols, p_.dim_qk, false, ws_.k, &ldk);
-        if (few_rows) {
-          tiles_.few_row_scores(k, ldk, cols, head_rows(h, bq), rows, bq, ws_.st);
-        } else {
-          tiles_.scores(k, ldk, cols, head_rows(h, bq), bq, ws_.st, lane0, lane1);
-        }
-        tiles_.transform_scores(o, q0, rows, bq, k0, cols, ws_.st, ws_.mt, nullptr,
-                                /*shared_terms=*/terms != nullptr);
-        softmax_step(bq, cols, st, terms, lane0, lane1);
-        if (k0 != kv_begin) rescale_output(lane0, lane0 + lane_rows, st);  // (the first block's output is 0)
-        if (p_.dropout.on()) {
-          // The running sum normalises with every probability; the output
-          // accumulates only the kept ones, scaled by 1/(1 - p).
-          tiles_.dropout_factors(o, q0, rows, bq, k0, cols, ws_.dm);
-          Tiles::scale_by(ws_.st, ws_.dm, cols, bq);
-        }
         const acc_t* v =
             tiles_.key_rows_of(Tiles::KeySide::V, o, k0, cols, p_.dim_v, true, ws_.v, &ldv);
-        gemm<acc_t, /*kRowsOfA=*/false, /*kAccumulate=*/true>(
-            lane_rows, ws_.dv, cols, ws_.st + lane0, bq, [&](int64_t e) { return v + e; }, ldv,
-            st.o + lane0 * ws_.dv, ws_.dv);
+        // One panel of nr queries at a time, from its scores to its P·V: its
+        // tile of Sᵀ (cols × nr) stays in L1 throughout, and K and V are
+        // read from L1 by every panel after the first.
+        for (int64_t c = lane0; c < lane1; c += nr) {
+          const int64_t prow = std::min(nr, rows - c);
+          const RowState<acc_t> ps{st.m + c, st.l + c, st.alpha + c, st.o + c * ws_.dv};
+          if (few_rows) {  // (then a single panel)
+            tiles_.few_row_scores(k, ldk, cols, head_rows(h, bq), rows, nr, ws_.st);
+          } else {
+            tiles_.scores(k, ldk, cols, head_rows(h, bq) + c * p_.dim_qk, nr, ws_.st);
+          }
+          const acc_t* terms = ws_.terms ? ws_.terms + c * split_.block_kv : nullptr;
+          tiles_.transform_scores(o, q0 + c, prow, nr, k0, cols, ws_.st, ws_.mt, nullptr,
+                                  /*shared_terms=*/terms != nullptr);
+          softmax_step(nr, cols, ps, terms);
+          if (k0 != kv_begin) rescale_output(0, prow, ps);  // (the first block's output is 0)
+          if (p_.dropout.on()) {
+            // The running sum normalises with every probability; the output
+            // accumulates only the kept ones, scaled by 1/(1 - p).
+            tiles_.dropout_factors(o, q0 + c, prow, nr, k0, cols, ws_.dm);
+            Tiles::scale_by(ws_.st, ws_.dm, cols, nr);
+          }
+          gemm<acc_t, /*kRowsOfA=*/false, /*kAccumulate=*/true>(
+              prow, ws_.dv, cols, ws_.st, nr, [&](int64_t e) { return v + e; }, ldv, ps.o, ws_.dv);
+        }
       }
     }
     for (int64_t h = 0; h < heads; ++h) write_output(o0 + h, q0, rows, head_state(h, bq));
@@ -280,10 +287,10 @@ class ForwardKernel {
   }
   // The query lanes [lane0, lane1) of a block (queries q0..q0+rows in bq
   // lanes) that can see any of keys k0..k0+cols: whole panels, lane0 below
-  // rows. All of them with dropout (its factors are drawn for the whole tile).
+  // rows.
   std::pair<int64_t, int64_t> seeing_lanes(int64_t q0, int64_t rows, int64_t bq, int64_t k0,
                                            int64_t cols) const {
-    if (!has_band(p_) || p_.dropout.on()) return {0, bq};
+    if (!has_band(p_)) return {0, bq};
     const int64_t first = std::clamp<int64_t>(band_query_begin(p_, k0) - q0, 0, rows - 1);
     const int64_t last = std::clamp<int64_t>(band_query_end(p_, k0 + cols) - q0, first + 1, rows);
     return {first / nr * nr, round_up(last, nr)};
@@ -330,11 +337,11 @@ class ForwardKernel {
   // (a shared mask's tile, laid out like Sᵀ), they are added to the scores
   // first, in the pass that finds the max.
   void softmax_step(int64_t bq, int64_t cols, const RowState<acc_t>& st,
-                    const acc_t* terms = nullptr, int64_t lane0 = 0, int64_t lane1 = -1) {
+                    const acc_t* terms = nullptr) {
     // Two vectors of queries at a time: two independent dependency chains,
     // and each key row of Sᵀ is read as one contiguous panel.
     const Vec vneg_inf(neg_inf<acc_t>()), zero(acc_t(0));
-    for (int64_t c = lane0; c < (lane1 < 0 ? bq : lane1); c += nr) {
+    for (int64_t c = 0; c < bq; c += nr) {
       const Vec m_old0 = Vec::loadu(st.m + c), m_old1 = Vec::loadu(st.m + c + w);
       Vec max0 = m_old0, max1 = m_old1;
       if (terms) {

@@ -597,19 +597,17 @@ class TileReader {
 
   // Sᵀ = K·(scale·Q)ᵀ for keys k (ldk apart) and the packed query panels qt.
   // With softcap, the scores come out capped (the GEMM's epilogue).
-  // Only query lanes [lane0, lane1) (multiples of nr) when given.
   void scores(const acc_t* k, int64_t ldk, int64_t cols, const acc_t* qt, int64_t bq,
-              acc_t* st, int64_t lane0 = 0, int64_t lane1 = -1) const {
+              acc_t* st) const {
     const int64_t d = p_.dim_qk;
-    if (lane1 < 0) lane1 = bq;
-    auto q_panel = [&](int64_t c) { return qt + (lane0 + c) * d; };
+    auto q_panel = [&](int64_t c) { return qt + c * d; };
     if (p_.softcap > 0) {
       const SoftcapEpilogue<acc_t> cap(static_cast<acc_t>(p_.softcap));
-      gemm<acc_t, /*kRowsOfA=*/true, /*kAccumulate=*/false>(cols, lane1 - lane0, d, k, ldk,
-                                                            q_panel, nr, st + lane0, bq, cap);
+      gemm<acc_t, /*kRowsOfA=*/true, /*kAccumulate=*/false>(cols, bq, d, k, ldk, q_panel, nr, st,
+                                                            bq, cap);
     } else {
-      gemm<acc_t, /*kRowsOfA=*/true, /*kAccumulate=*/false>(cols, lane1 - lane0, d, k, ldk,
-                                                            q_panel, nr, st + lane0, bq);
+      gemm<acc_t, /*kRowsOfA=*/true, /*kAccumulate=*/false>(cols, bq, d, k, ldk, q_panel, nr, st,
+                                                            bq);
     }
   }
 
