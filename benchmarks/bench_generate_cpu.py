@@ -2,7 +2,9 @@
 layers, 8 heads of 64, GQA 4:1) generating tokens greedily after a long prompt, with
 attn_implementation "fusedmha" against "sdpa" (PyTorch's SDPA), runs alternated in one
 process (median of --repeats). Prints the whole call's time and the decode rate: tokens/s of
-the new tokens, (time of N tokens - time of 1 token) / (N - 1).
+the new tokens, (time of N tokens - time of 1 token) / (N - 1). Then, with timers around
+each backend's attention function, the share of the generate call spent in attention, and
+the most any attention kernel could speed the call up (Amdahl: if attention took no time).
 
     python benchmarks/bench_generate_cpu.py [--quick] [--prompt 2048] [--new 128]
 """
@@ -19,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fusedmha  # noqa: E402
 import fusedmha.integrations.transformers  # noqa: E402,F401  (registers "fusedmha")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
 
 
 def model_for(impl, prompt, new, layers):
@@ -35,6 +38,28 @@ def generate_seconds(model, ids, new):
         out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
                              pad_token_id=0)
     return time.perf_counter() - t, out
+
+
+def attention_seconds(impl, model, ids, new):
+    """(generate seconds, seconds inside the attention function) of one call, the attention
+    function of `impl` wrapped with a timer for the call's duration."""
+    inner = ALL_ATTENTION_FUNCTIONS[impl]
+    spent = [0.0, 0]
+
+    def timed(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - t
+            spent[1] += 1
+
+    ALL_ATTENTION_FUNCTIONS[impl] = timed
+    try:
+        seconds, _ = generate_seconds(model, ids, new)
+    finally:
+        ALL_ATTENTION_FUNCTIONS[impl] = inner
+    return seconds, spent[0], spent[1]
 
 
 def main():
@@ -72,6 +97,13 @@ def main():
         print(f"{impl:>9s} {w:11.2f} {f:10.2f} {rates[impl]:13.1f}")
     print(f"fusedmha vs sdpa: whole call {statistics.median(whole['sdpa']) / statistics.median(whole['fusedmha']):.2f}x, "
           f"decode {rates['fusedmha'] / rates['sdpa']:.2f}x; same tokens: {same}")
+    print("\nattention's share of one generate call (timers around the attention function):")
+    for impl, model in models.items():
+        seconds, inside, calls = attention_seconds(impl, model, ids, a.new)
+        print(f"{impl:>9s}: {inside:.3f} s of {seconds:.2f} s in {calls} calls "
+              f"({100 * inside / seconds:.1f}%, {1e6 * inside / max(calls, 1):.0f} us per call); "
+              f"an attention taking no time would make the call at most "
+              f"{seconds / (seconds - inside):.2f}x faster")
 
 
 if __name__ == "__main__":
