@@ -47,6 +47,43 @@ inline int64_t div_up(int64_t x, int64_t m) { return (x + m - 1) / m; }
 template <typename scalar_t> struct AccType { using type = float; };
 template <> struct AccType<double> { using type = double; };
 
+// dst[0..n) = src[0..n) as acc_t. Half precision is widened a vector at a
+// time (F16C's vcvtph2ps; bfloat16 is its high 16 bits): element by element,
+// fp16 goes through a scalar conversion per value, which made widening the
+// K/V blocks cost as much as the score GEMM. Exact either way.
+template <typename scalar_t, typename acc_t>
+inline void widen(const scalar_t* src, acc_t* dst, int64_t n) {
+  int64_t e = 0;
+  if constexpr (std::is_same_v<acc_t, float>) {
+#if defined(CPU_CAPABILITY_AVX512)
+    if constexpr (std::is_same_v<scalar_t, c10::Half>) {
+      for (; e + 16 <= n; e += 16) {
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + e));
+        _mm512_storeu_ps(dst + e, _mm512_cvtph_ps(h));
+      }
+    } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+      for (; e + 16 <= n; e += 16) {
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + e));
+        _mm512_storeu_ps(dst + e, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+      }
+    }
+#elif defined(CPU_CAPABILITY_AVX2)
+    if constexpr (std::is_same_v<scalar_t, c10::Half>) {
+      for (; e + 8 <= n; e += 8) {
+        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + e));
+        _mm256_storeu_ps(dst + e, _mm256_cvtph_ps(h));
+      }
+    } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+      for (; e + 8 <= n; e += 8) {
+        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + e));
+        _mm256_storeu_ps(dst + e, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+      }
+    }
+#endif
+  }
+  for (; e < n; ++e) dst[e] = static_cast<acc_t>(src[e]);
+}
+
 // Two vectors: the column width of the micro-kernels, and the granule in
 // which query blocks and head dims are padded.
 template <typename acc_t>
@@ -754,7 +791,7 @@ class TileReader {
     for (int64_t i = 0; i < rows; ++i) {
       const scalar_t* src = first + i * row_stride;
       acc_t* d = dst + i * *ld;
-      for (int64_t e = 0; e < dim; ++e) d[e] = static_cast<acc_t>(src[e]);
+      widen(src, d, dim);
       std::fill(d + dim, d + *ld, acc_t(0));
     }
     return dst;
