@@ -178,7 +178,17 @@ class BackwardKernel {
       const scalar_t* out = out_rows + i * p_.out.row_stride;
       const acc_t* g = dout + i * lddo;
       acc_t sum = 0;
-      for (int64_t e = 0; e < p_.dim_v; ++e) sum += g[e] * static_cast<acc_t>(out[e]);
+      if constexpr (std::is_same_v<scalar_t, acc_t>) {
+        for (int64_t e = 0; e < p_.dim_v; ++e) sum += g[e] * out[e];
+      } else {
+        // (Widened a chunk at a time: a scalar conversion per value costs more than the dot.)
+        acc_t wide[64];
+        for (int64_t e0 = 0; e0 < p_.dim_v; e0 += 64) {
+          const int64_t n = std::min<int64_t>(64, p_.dim_v - e0);
+          widen(out + e0, wide, n);
+          for (int64_t e = 0; e < n; ++e) sum += g[e0 + e] * wide[e];
+        }
+      }
       ws_.d[i] = has_grad_lse ? sum - grad_lse[q0 + i] : sum;
       ws_.lse[i] = lse[q0 + i];
     }

@@ -524,21 +524,27 @@ class TileReader {
                        int64_t padded_rows, int64_t dim, acc_t scale, acc_t* dst) const {
     const scalar_t* first = start(t, o) + r0 * t.row_stride;
     int64_t i = 0;
-    if constexpr (kSameType) {
-      // Whole w × w blocks through register transposes: each block's columns
-      // land as w contiguous lanes of a panel (w divides the panel width).
-      const int64_t dims = dim / w * w;
-      acc_t block[w * w];
-      const Vec vscale(scale);
-      for (; dims > 0 && i + w <= rows; i += w) {
-        acc_t* d = dst + (i / nr) * dim * nr + i % nr;
-        const acc_t* src = reinterpret_cast<const acc_t*>(first + i * t.row_stride);
-        for (int64_t e0 = 0; e0 < dims; e0 += w) {
-          transpose_block(src + e0, t.row_stride, block);
-          for (int64_t e = 0; e < w; ++e) (Vec::loadu(block + e * w) * vscale).store(d + (e0 + e) * nr);
+    // Whole w × w blocks through register transposes: each block's columns
+    // land as w contiguous lanes of a panel (w divides the panel width).
+    // (Half precision is widened a block at a time first.)
+    const int64_t dims = dim / w * w;
+    acc_t block[w * w], wide[w * w];
+    const Vec vscale(scale);
+    for (; dims > 0 && i + w <= rows; i += w) {
+      acc_t* d = dst + (i / nr) * dim * nr + i % nr;
+      const scalar_t* src = first + i * t.row_stride;
+      for (int64_t e0 = 0; e0 < dims; e0 += w) {
+        if constexpr (kSameType) {
+          transpose_block(reinterpret_cast<const acc_t*>(src) + e0, t.row_stride, block);
+        } else {
+          for (int64_t l = 0; l < w; ++l) widen(src + l * t.row_stride + e0, wide + l * w, w);
+          transpose_block(wide, w, block);
         }
-        for (int64_t e = dims; e < dim; ++e) {
-          for (int64_t l = 0; l < w; ++l) d[e * nr + l] = src[l * t.row_stride + e] * scale;
+        for (int64_t e = 0; e < w; ++e) (Vec::loadu(block + e * w) * vscale).store(d + (e0 + e) * nr);
+      }
+      for (int64_t e = dims; e < dim; ++e) {
+        for (int64_t l = 0; l < w; ++l) {
+          d[e * nr + l] = static_cast<acc_t>(src[l * t.row_stride + e]) * scale;
         }
       }
     }
