@@ -235,6 +235,34 @@ inline void transpose_16x16(const float* src, int64_t ld, float* dst) {
 }
 #endif
 
+#if defined(CPU_CAPABILITY_AVX2)
+// dst[8 × 8] = transpose of the 8 × 8 floats at src (rows ld apart), in
+// registers: pairs of rows interleaved by 32 bits, then by 64 bits, which
+// leaves each 128-bit lane with 4 rows of one column, then the lanes of
+// rows 0–3 and 4–7 joined. (Our own, in this file's anonymous namespace:
+// ATen's transpose_mxn, when the compiler keeps it out of line, is a weak
+// symbol the linker could share with code built for another ISA level.)
+inline void transpose_8x8(const float* src, int64_t ld, float* dst) {
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * ld);
+  for (int k = 0; k < 4; ++k) {
+    t[2 * k] = _mm256_unpacklo_ps(r[2 * k], r[2 * k + 1]);
+    t[2 * k + 1] = _mm256_unpackhi_ps(r[2 * k], r[2 * k + 1]);
+  }
+  // r[4m + c], lane l: column c + 4l, rows 4m..4m+3.
+  for (int m = 0; m < 2; ++m) {
+    r[4 * m] = _mm256_shuffle_ps(t[4 * m], t[4 * m + 2], 0x44);
+    r[4 * m + 1] = _mm256_shuffle_ps(t[4 * m], t[4 * m + 2], 0xEE);
+    r[4 * m + 2] = _mm256_shuffle_ps(t[4 * m + 1], t[4 * m + 3], 0x44);
+    r[4 * m + 3] = _mm256_shuffle_ps(t[4 * m + 1], t[4 * m + 3], 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {
+    _mm256_storeu_ps(dst + c * 8, _mm256_permute2f128_ps(r[c], r[4 + c], 0x20));
+    _mm256_storeu_ps(dst + (c + 4) * 8, _mm256_permute2f128_ps(r[c], r[4 + c], 0x31));
+  }
+}
+#endif
+
 // What the score GEMM does to each vector of results before storing it:
 // nothing, or the softcap s → c·tanh(s / c), while the scores are still in
 // registers (one pass over the tile fewer).
@@ -921,9 +949,7 @@ class TileReader {
   // dst[w × w] = transpose of the w × w block at src (leading dim ld).
   static void transpose_block(const acc_t* src, int64_t ld, acc_t* dst) {
 #if defined(CPU_CAPABILITY_AVX2)
-    if constexpr (std::is_same_v<acc_t, float>) {
-      return at::vec::transpose_mxn<float, 8, 8>(src, ld, dst, w);
-    }
+    if constexpr (std::is_same_v<acc_t, float>) return transpose_8x8(src, ld, dst);
 #elif defined(CPU_CAPABILITY_AVX512)
     if constexpr (std::is_same_v<acc_t, float>) return transpose_16x16(src, ld, dst);
 #endif
