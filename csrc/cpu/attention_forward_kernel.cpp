@@ -49,7 +49,7 @@ template <typename acc_t>
 struct ForwardWorkspace {
   acc_t* st;     // bkv × nr    scores, then probabilities, of one panel of queries, transposed
   acc_t* k;      // bkv × dqk   widened key block (half-precision inputs)
-  acc_t* v;      // bkv × dv    widened/padded value block (when not read in place)
+  acc_t* v;      // bkv × dv    the value block in column panels (key_panels_of); decoding: widened/padded rows
   acc_t* mt;     // w × bkv     mask terms of w queries (general masks)
   acc_t* terms;  // bkv × bq    mask terms shared by the item's heads (split.heads > 1), by panel
   acc_t* dm;     // bkv × nr    dropout factors of a panel (when dropout is on)
@@ -144,11 +144,11 @@ class ForwardKernel {
       for (int64_t h = 0; h < heads; ++h) {
         const int64_t o = o0 + h;
         const RowState<acc_t> st = head_state(h, bq);
-        int64_t ldk, ldv;
+        int64_t ldk;
         const acc_t* k =
             tiles_.key_rows_of(Tiles::KeySide::K, o, k0, cols, p_.dim_qk, false, ws_.k, &ldk);
-        const acc_t* v =
-            tiles_.key_rows_of(Tiles::KeySide::V, o, k0, cols, p_.dim_v, true, ws_.v, &ldv);
+        // (V in column panels: every query panel's P·V streams them.)
+        tiles_.key_panels_of(Tiles::KeySide::V, o, k0, cols, p_.dim_v, ws_.v);
         // One panel of nr queries at a time, from its scores to its P·V: its
         // tile of Sᵀ (cols × nr) stays in L1 throughout, and K and V are
         // read from L1 by every panel after the first.
@@ -172,7 +172,8 @@ class ForwardKernel {
             Tiles::scale_by(ws_.st, ws_.dm, cols, nr);
           }
           gemm<acc_t, /*kRowsOfA=*/false, /*kAccumulate=*/true>(
-              prow, ws_.dv, cols, ws_.st, nr, [&](int64_t e) { return v + e; }, ldv, ps.o, ws_.dv);
+              prow, ws_.dv, cols, ws_.st, nr, [&](int64_t e) { return ws_.v + e * cols; }, nr,
+              ps.o, ws_.dv);
         }
       }
     }
@@ -243,7 +244,8 @@ class ForwardKernel {
  public:
   // Merges the partial states of group g's chunks (m, l, o of each) into
   // the output and log-sum-exp: M = max m_c, L = Σ l_c·e^(m_c − M),
-  // O = Σ o_c·e^(m_c − M); a chunk that saw no key (m_c = −∞) weighs 0.
+  // O = Σ o_c·e^(m_c − M); a chunk that saw no key (m_c = −∞) weighs 0, and
+  // one whose sum is NaN makes L NaN.
   void combine(int64_t g) {
     const int64_t o0 = g * split_.heads;
     p_ = sequence_of(p_, o0);
@@ -268,6 +270,10 @@ class ForwardKernel {
           l += part[kFewRows + i] * weight;
           const acc_t* o = part + 2 * kFewRows + i * dv;
           for (int64_t e = 0; e < dv; ++e) out[e] += o[e] * weight;
+        }
+        // (A chunk's NaN sum, from a NaN score, makes the row NaN.)
+        for (int64_t c = 0; c < split_.kv_splits; ++c) {
+          if (std::isnan(partial(g, c, h)[kFewRows + i])) l = std::numeric_limits<acc_t>::quiet_NaN();
         }
         st.m[i] = top;
         st.l[i] = l;
@@ -335,7 +341,9 @@ class ForwardKernel {
   // turns them into probabilities relative to the new max; alpha[i] is the
   // factor the output accumulated so far must be rescaled by. With terms
   // (a shared mask's tile, laid out like Sᵀ), they are added to the scores
-  // first, in the pass that finds the max.
+  // first, in the pass that finds the max. (The max passes over NaN scores:
+  // their exp is NaN, which makes the row's sum NaN, and write_output turns
+  // that into a NaN row.)
   void softmax_step(int64_t bq, int64_t cols, const RowState<acc_t>& st,
                     const acc_t* terms = nullptr) {
     // Two vectors of queries at a time: two independent dependency chains,
@@ -351,14 +359,14 @@ class ForwardKernel {
           const Vec s0 = Vec::loadu(s) + Vec::loadu(t), s1 = Vec::loadu(s + w) + Vec::loadu(t + w);
           s0.store(s);
           s1.store(s + w);
-          max0 = at::vec::maximum(max0, s0);
-          max1 = at::vec::maximum(max1, s1);
+          max0 = max_of_numbers(s0, max0);
+          max1 = max_of_numbers(s1, max1);
         }
       } else {
         for (int64_t j = 0; j < cols; ++j) {
           const acc_t* s = ws_.st + j * bq + c;
-          max0 = at::vec::maximum(max0, Vec::loadu(s));
-          max1 = at::vec::maximum(max1, Vec::loadu(s + w));
+          max0 = max_of_numbers(Vec::loadu(s), max0);
+          max1 = max_of_numbers(Vec::loadu(s + w), max1);
         }
       }
       // The running max moves only when the block's max passes it by more
@@ -414,7 +422,7 @@ class ForwardKernel {
     for (int64_t i = 0; i < rows; ++i) {
       const acc_t m = st.m[i], l = st.l[i];
       acc_t inv, row_lse;
-      if (std::isnan(m) || m == inf) {
+      if (std::isnan(m) || std::isnan(l) || m == inf) {
         // A NaN or +inf score makes the whole softmax row NaN, as in exact
         // arithmetic (the fast exp would otherwise hide it).
         inv = nan;

@@ -199,6 +199,19 @@ Vectorized<acc_t> exp_of_difference(const Vectorized<acc_t>& x_in, const Vectori
   return (x_in - m_in).exp_u20();
 }
 
+// max(x, y), or y where x is NaN: one instruction (max_ps returns its
+// second operand when either is NaN), where at::vec::maximum adds three
+// more to propagate NaN. For running maxima whose NaN is caught elsewhere.
+template <typename acc_t>
+Vectorized<acc_t> max_of_numbers(const Vectorized<acc_t>& x, const Vectorized<acc_t>& y) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<acc_t, float>) return Vectorized<acc_t>(_mm512_max_ps(x, y));
+#elif defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<acc_t, float>) return Vectorized<acc_t>(_mm256_max_ps(x, y));
+#endif
+  return at::vec::maximum(x, y);
+}
+
 #if defined(CPU_CAPABILITY_AVX512)
 // dst[16 × 16] = transpose of the 16 × 16 floats at src (rows ld apart), in
 // registers: pairs of rows interleaved by 32 then 64 bits, which leaves each
@@ -367,7 +380,7 @@ inline void microkernel_rows(int64_t m, const acc_t* a, int64_t lda, const acc_t
 // column panel at col, and its rows are b_step apart.
 template <typename acc_t, bool kRowsOfA, bool kAccumulate, typename BPanel,
           typename Epilogue = NoEpilogue>
-inline void gemm(int64_t m, int64_t ncols, int64_t n, const acc_t* a, int64_t lda,
+__attribute__((noinline)) void gemm(int64_t m, int64_t ncols, int64_t n, const acc_t* a, int64_t lda,
                  BPanel b_panel, int64_t b_step, acc_t* c, int64_t ldc,
                  const Epilogue& ep = {}) {
   constexpr int64_t nr = panel_width<acc_t>();
@@ -603,6 +616,34 @@ class TileReader {
                            bool panel_rows, acc_t* dst, int64_t* ld) const {
     return rows_at(key_rows(side, o, k0), key_matrix(side).row_stride, cols, dim, panel_rows,
                    dst, ld);
+  }
+
+  // Keys k0..k0+cols of K or V (dim wide) as column panels of nr: (key j,
+  // dim e) at dst[((e / nr)·cols + j)·nr + e % nr], dims past dim zero. A
+  // GEMM that takes the block as its b operand then streams each panel
+  // from contiguous memory (rows nr apart) instead of a slice of every row
+  // (a row stride apart), which the caches prefetch far better.
+  void key_panels_of(KeySide side, int64_t o, int64_t k0, int64_t cols, int64_t dim,
+                     acc_t* dst) const {
+    const scalar_t* first = key_rows(side, o, k0);
+    const int64_t row_stride = key_matrix(side).row_stride, full = dim / nr * nr;
+    for (int64_t e = 0; e < full; e += nr) {  // (stores in order)
+      const scalar_t* src = first + e;
+      acc_t* d = dst + e * cols;
+      for (int64_t j = 0; j < cols; ++j, src += row_stride, d += nr) {
+        if constexpr (kSameType) {
+          Vec::loadu(src).store(d);
+          Vec::loadu(src + w).store(d + w);
+        } else {
+          widen(src, d, nr);
+        }
+      }
+    }
+    for (int64_t j = 0; full < dim && j < cols; ++j) {
+      acc_t* tail = dst + full * cols + j * nr;
+      widen(first + j * row_stride + full, tail, dim - full);
+      std::fill(tail + dim - full, tail + nr, acc_t(0));
+    }
   }
 
   // Asks for keys k0..k0+cols of K or V (dim wide) to be brought into the
