@@ -31,6 +31,8 @@ constexpr int64_t kFewRows = 8;
 constexpr int64_t kMinChunkBlocks = 4;
 constexpr int64_t kDecodeBlockKV = 16;
 constexpr int64_t kMinChunkKeys = 1024;
+// Keys of the next work item prefetched into L2 (prefetch_item).
+constexpr int64_t kPrefetchKeys = 128;
 // ln 256: a running max moves only when a block's max passes it by more.
 constexpr double kRescaleSlack = 5.545177444479562;
 
@@ -97,6 +99,7 @@ class ForwardKernel {
   // read and transposed once for all of them.
   void run(int64_t item) {
     if (split_.decode) return run_decode(item);
+    prefetch_item(item - split_.threads);
     // Items cover the longest sequence; a shorter one's extra items do nothing.
     const int64_t nqb = div_up(p_.len_q, split_.block_q);
     const int64_t heads = split_.heads, o0 = item / nqb * heads;
@@ -125,10 +128,14 @@ class ForwardKernel {
     if (p_.pages.table) kv_begin = kv_begin / split_.block_kv * split_.block_kv;
     for (int64_t k0 = kv_begin; k0 < kv_end; k0 += split_.block_kv) {
       const int64_t cols = std::min(split_.block_kv, kv_end - k0);
-      for (int64_t h = 0; h < heads && k0 + cols < kv_end; ++h) {
-        const int64_t next = std::min(split_.block_kv, kv_end - k0 - cols);
-        tiles_.prefetch_key_rows(Tiles::KeySide::K, o0 + h, k0 + cols, next, p_.dim_qk);
-        tiles_.prefetch_key_rows(Tiles::KeySide::V, o0 + h, k0 + cols, next, p_.dim_v);
+      // The next block's mask tile into L2 (its rows are far apart), and
+      // with several heads per item their keys and values (all heads' do
+      // not stay in L2 from the item's previous pass; one head's mostly do).
+      const int64_t next = std::min(split_.block_kv, kv_end - k0 - cols);
+      if (next > 0) tiles_.prefetch_mask_tile(o0, q0, rows, k0 + cols, next);
+      for (int64_t h = 0; h < heads && heads > 1 && next > 0; ++h) {
+        tiles_.prefetch_key_rows_to_l2(Tiles::KeySide::K, o0 + h, k0 + cols, next, p_.dim_qk);
+        tiles_.prefetch_key_rows_to_l2(Tiles::KeySide::V, o0 + h, k0 + cols, next, p_.dim_v);
       }
       // The query panels [lane0, lane1) that see any of the block's keys: in
       // a band's corners (the diagonal's blocks, causal), whole panels of
@@ -207,11 +214,6 @@ class ForwardKernel {
     }
     for (int64_t k0 = kv_begin; rows > 0 && k0 < kv_end; k0 += split_.block_kv) {
       const int64_t cols = std::min(split_.block_kv, kv_end - k0);
-      for (int64_t h = 0; h < heads && k0 + cols < kv_end; ++h) {
-        const int64_t next = std::min(split_.block_kv, kv_end - k0 - cols);
-        tiles_.prefetch_key_rows(Tiles::KeySide::K, o0 + h, k0 + cols, next, p_.dim_qk);
-        tiles_.prefetch_key_rows(Tiles::KeySide::V, o0 + h, k0 + cols, next, p_.dim_v);
-      }
       for (int64_t h = 0; h < heads; ++h) {
         const int64_t o = o0 + h;
         const RowState<acc_t> st = head_state(h, bq);
@@ -283,6 +285,29 @@ class ForwardKernel {
   }
 
  private:
+  // Asks for the query block of item `next` and the first kPrefetchKeys keys
+  // it sees to be brought into L2 while this item computes (p_ not yet
+  // narrowed to this item's sequence). Where each head's rows are read
+  // once (short sequences: a BERT batch streams every block from memory),
+  // this hides that latency; elsewhere they are mostly in cache already.
+  void prefetch_item(int64_t next) const {
+    if (next < 0 || p_.pages.table) return;
+    const int64_t nqb = div_up(p_.len_q, split_.block_q);
+    const int64_t o0 = next / nqb * split_.heads, q0 = (next % nqb) * split_.block_q;
+    const AttentionParams np = sequence_of(p_, o0);
+    if (q0 >= np.len_q) return;
+    const int64_t rows = std::min(split_.block_q, np.len_q - q0);
+    const Tiles next_tiles(np);
+    for (int64_t h = 0; h < split_.heads; ++h) {
+      const int64_t o = o0 + h;
+      next_tiles.prefetch_rows_to_l2(np.q, o, q0, rows, np.dim_qk);
+      const auto [begin, end] = next_tiles.key_range(o, q0, rows);
+      const int64_t cols = std::min(end - begin, kPrefetchKeys);
+      next_tiles.prefetch_key_rows_to_l2(Tiles::KeySide::K, o, begin, cols, np.dim_qk);
+      next_tiles.prefetch_key_rows_to_l2(Tiles::KeySide::V, o, begin, cols, np.dim_v);
+    }
+  }
+
   // The state of the item's head h: its query rows, and its RowState.
   acc_t* head_rows(int64_t h, int64_t bq) const {
     return ws_.heads_state + h * ws_.head_floats(p_, bq);
@@ -478,6 +503,7 @@ WorkSplit configure(const AttentionParams& p, int64_t threads) {
       nr);
   split.block_kv = paged_block(p, std::min(kBlockKV, std::max<int64_t>(p.len_kv, 1)));
   split.items = p.num_outer / split.heads * div_up(p.len_q, split.block_q);
+  split.threads = std::max<int64_t>(threads, 1);
   // Decoding: few query rows (one block) against long keys.
   if (p.len_q > 0 && p.len_q <= kFewRows && p.softcap == 0 && !p.dropout.on() &&
       p.len_kv >= kMinChunkBlocks * split.block_kv) {

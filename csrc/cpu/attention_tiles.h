@@ -199,6 +199,23 @@ Vectorized<acc_t> exp_of_difference(const Vectorized<acc_t>& x_in, const Vectori
   return (x_in - m_in).exp_u20();
 }
 
+// Asks for the cache line at p to come into L1 (kLocality 3) or L2 (2).
+// An asm statement on x86: GCC 12 deletes loops of __builtin_prefetch once
+// they are inlined into the kernels (a loop with no other effect), so the
+// prefetches the kernels asked for were never issued.
+template <int kLocality>
+inline void prefetch_line(const void* p) {
+#if defined(__x86_64__)
+  if constexpr (kLocality >= 3) {
+    asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
+  } else {
+    asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
+  }
+#else
+  __builtin_prefetch(p, 0, kLocality);
+#endif
+}
+
 // max(x, y), or y where x is NaN: one instruction (max_ps returns its
 // second operand when either is NaN), where at::vec::maximum adds three
 // more to propagate NaN. For running maxima whose NaN is caught elsewhere.
@@ -646,19 +663,29 @@ class TileReader {
     }
   }
 
-  // Asks for keys k0..k0+cols of K or V (dim wide) to be brought into the
-  // caches, when their rows are not adjacent in memory: in a KV cache's (B,
-  // S, H_kv, E) layout each row of one head starts a new 4 KiB page for many
-  // heads, and the hardware prefetchers stop at pages.
-  void prefetch_key_rows(KeySide side, int64_t o, int64_t k0, int64_t cols, int64_t dim) const {
-    const int64_t row_stride = key_matrix(side).row_stride;
-    if (row_stride == dim) return;
-    const char* first = reinterpret_cast<const char*>(key_rows(side, o, k0));
-    const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(scalar_t));
-    const int64_t bytes = dim * static_cast<int64_t>(sizeof(scalar_t));
-    for (int64_t i = 0; i < cols; ++i) {
-      for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(first + i * row_bytes + b);
-    }
+  // Asks for rows r0..r0+rows of t (dim wide), or keys k0..k0+cols of K or
+  // V, to be brought into L2 (keys within one page of a paged cache).
+  void prefetch_rows_to_l2(const Matrix& t, int64_t o, int64_t r0, int64_t rows,
+                           int64_t dim) const {
+    prefetch_lines</*kLocality=*/2>(start(t, o) + r0 * t.row_stride, t.row_stride, rows, dim);
+  }
+  void prefetch_key_rows_to_l2(KeySide side, int64_t o, int64_t k0, int64_t cols,
+                               int64_t dim) const {
+    prefetch_lines</*kLocality=*/2>(key_rows(side, o, k0), key_matrix(side).row_stride, cols, dim);
+  }
+
+  // Asks for the mask's tile of queries q0..q0+rows and keys k0..k0+cols
+  // (outer index o) to be brought into L2, for a general mask: its rows are
+  // a row stride apart, with long keys each in a page of its own, where the
+  // hardware prefetchers do not follow. (A key padding mask is one row.)
+  void prefetch_mask_tile(int64_t o, int64_t q0, int64_t rows, int64_t k0, int64_t cols) const {
+    const Matrix& mk = p_.mask;
+    if (mk.row_stride == 0 || mk.col_stride != 1 || cols <= 0) return;
+    with_mask_type([&](auto mask) {
+      using mask_t = decltype(mask);
+      const mask_t* first = matrix_start<const mask_t>(p_.outer, mk, o) + q0 * mk.row_stride + k0;
+      prefetch_lines</*kLocality=*/2>(first, mk.row_stride, rows, cols);
+    });
   }
 
   // Rows r0..r0+rows of t times scale, as dense acc_t rows of dim (few_row_scores' qr).
@@ -844,6 +871,20 @@ class TileReader {
   }
 
  private:
+  // Prefetches every cache line of rows rows of dim elements (row_stride
+  // apart) from first: into L1 (kLocality 3) or L2 (2).
+  template <int kLocality, typename T>
+  static void prefetch_lines(const T* first, int64_t row_stride, int64_t rows, int64_t dim) {
+    constexpr int64_t size = sizeof(T);
+    for (int64_t i = 0; i < rows; ++i) {
+      const uintptr_t begin = reinterpret_cast<uintptr_t>(first + i * row_stride);
+      const uintptr_t end = begin + dim * size;
+      for (uintptr_t line = begin & ~uintptr_t(63); line < end; line += 64) {
+        prefetch_line<kLocality>(reinterpret_cast<const void*>(line));
+      }
+    }
+  }
+
   static acc_t dot_tail(const acc_t* a, const acc_t* b, int64_t from, int64_t to) {
     acc_t sum = 0;
     for (int64_t e = from; e < to; ++e) sum += a[e] * b[e];

@@ -22,6 +22,9 @@ struct WorkSplit {
   int64_t block_kv = 0;  // keys per block
   int64_t items = 0;
   size_t workspace_bytes = 0;
+  // Threads sharing the items: they are handed out in descending order, so
+  // a thread's next item is about this many below its current one.
+  int64_t threads = 1;
   // Decoding (the forward with few query rows and long keys): one item is
   // `heads` consecutive outer indices over one of kv_splits chunks of the
   // keys. With kv_splits > 1 the items write partial results into the
