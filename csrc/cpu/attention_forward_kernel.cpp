@@ -99,7 +99,7 @@ class ForwardKernel {
   // read and transposed once for all of them.
   void run(int64_t item) {
     if (split_.decode) return run_decode(item);
-    prefetch_item(item - split_.threads);
+    prefetch_item(item, item - split_.threads);
     // Items cover the longest sequence; a shorter one's extra items do nothing.
     const int64_t nqb = div_up(p_.len_q, split_.block_q);
     const int64_t heads = split_.heads, o0 = item / nqb * heads;
@@ -285,15 +285,17 @@ class ForwardKernel {
   }
 
  private:
-  // Asks for the query block of item `next` and the first kPrefetchKeys keys
-  // it sees to be brought into L2 while this item computes (p_ not yet
-  // narrowed to this item's sequence). Where each head's rows are read
-  // once (short sequences: a BERT batch streams every block from memory),
-  // this hides that latency; elsewhere they are mostly in cache already.
-  void prefetch_item(int64_t next) const {
+  // Asks for the query block of item `next` and, when it belongs to other
+  // heads than item `current`, the first kPrefetchKeys keys it sees, to be
+  // brought into L2 while this item computes (p_ not yet narrowed to this
+  // item's sequence). Where each head's rows are read once (short
+  // sequences: a BERT batch streams every block from memory), this hides
+  // that latency; the same heads' keys are in cache from this item.
+  void prefetch_item(int64_t current, int64_t next) const {
     if (next < 0 || p_.pages.table) return;
     const int64_t nqb = div_up(p_.len_q, split_.block_q);
     const int64_t o0 = next / nqb * split_.heads, q0 = (next % nqb) * split_.block_q;
+    const bool same_heads = current / nqb == next / nqb;
     const AttentionParams np = sequence_of(p_, o0);
     if (q0 >= np.len_q) return;
     const int64_t rows = std::min(split_.block_q, np.len_q - q0);
@@ -301,6 +303,7 @@ class ForwardKernel {
     for (int64_t h = 0; h < split_.heads; ++h) {
       const int64_t o = o0 + h;
       next_tiles.prefetch_rows_to_l2(np.q, o, q0, rows, np.dim_qk);
+      if (same_heads) continue;
       const auto [begin, end] = next_tiles.key_range(o, q0, rows);
       const int64_t cols = std::min(end - begin, kPrefetchKeys);
       next_tiles.prefetch_key_rows_to_l2(Tiles::KeySide::K, o, begin, cols, np.dim_qk);
