@@ -22,7 +22,14 @@ namespace fusedmha::cpu {
 namespace CPU_CAPABILITY {
 namespace {
 
-constexpr int64_t kMaxBlockQ = 128;
+// Query rows per block. A block of at least kTransposedKeysRows computes
+// its scores from each key block transposed (transpose_keys), which the
+// score GEMM reads faster; the transpose pays for itself only when that
+// many query rows (8 panels of AVX-512 floats) use it. Items whose heads
+// share a mask take blocks of kSharedMaskBlockQ, so that more heads fit.
+constexpr int64_t kMaxBlockQ = 256;
+constexpr int64_t kTransposedKeysRows = 256;
+constexpr int64_t kSharedMaskBlockQ = 128;
 constexpr int64_t kBlockKV = 64;
 // Query blocks of at most this many rows (decoding) take few_row_scores.
 constexpr int64_t kFewRows = 8;
@@ -51,6 +58,7 @@ template <typename acc_t>
 struct ForwardWorkspace {
   acc_t* st;     // bkv × nr    scores, then probabilities, of one panel of queries, transposed
   acc_t* k;      // bkv × dqk   widened key block (half-precision inputs)
+  acc_t* kt;     // dqk × bkv   the key block transposed (blocks of kTransposedKeysRows or more)
   acc_t* v;      // bkv × dv    the value block in column panels (key_panels_of); decoding: widened/padded rows
   acc_t* mt;     // w × bkv     mask terms of w queries (general masks)
   acc_t* terms;  // bkv × bq    mask terms shared by the item's heads (split.heads > 1), by panel
@@ -70,6 +78,7 @@ struct ForwardWorkspace {
     state_rows = split.decode ? kFewRows : bq;
     st = arena.take(bkv * nr);
     k = arena.take(bkv * round_up(p.dim_qk, nr));
+    kt = arena.take(round_up(bkv, w) * p.dim_qk);
     v = arena.take(bkv * dv);
     mt = arena.take(w * round_up(bkv, w));
     terms = split.heads > 1 && !split.decode ? arena.take(bkv * bq) : nullptr;
@@ -110,6 +119,7 @@ class ForwardKernel {
     const int64_t bq = round_up(rows, nr);  // queries in vector lanes, padded
 
     const bool few_rows = rows <= kFewRows && p_.softcap == 0;
+    const bool keys_transposed = !few_rows && bq >= kTransposedKeysRows;
     const acc_t scale = static_cast<acc_t>(p_.scale);
     for (int64_t h = 0; h < heads; ++h) {
       if (few_rows) {
@@ -156,16 +166,20 @@ class ForwardKernel {
             tiles_.key_rows_of(Tiles::KeySide::K, o, k0, cols, p_.dim_qk, false, ws_.k, &ldk);
         // (V in column panels: every query panel's P·V streams them.)
         tiles_.key_panels_of(Tiles::KeySide::V, o, k0, cols, p_.dim_v, ws_.v);
+        if (keys_transposed) tiles_.transpose_keys(k, ldk, cols, p_.dim_qk, ws_.kt);
         // One panel of nr queries at a time, from its scores to its P·V: its
         // tile of Sᵀ (cols × nr) stays in L1 throughout, and K and V are
         // read from L1 by every panel after the first.
         for (int64_t c = lane0; c < lane1; c += nr) {
           const int64_t prow = std::min(nr, rows - c);
           const RowState<acc_t> ps{st.m + c, st.l + c, st.alpha + c, st.o + c * ws_.dv};
+          const acc_t* qt = head_rows(h, bq) + c * p_.dim_qk;
           if (few_rows) {  // (then a single panel)
             tiles_.few_row_scores(k, ldk, cols, head_rows(h, bq), rows, nr, ws_.st);
+          } else if (keys_transposed) {
+            tiles_.scores_of_keys_transposed(ws_.kt, cols, qt, nr, ws_.st);
           } else {
-            tiles_.scores(k, ldk, cols, head_rows(h, bq) + c * p_.dim_qk, nr, ws_.st);
+            tiles_.scores(k, ldk, cols, qt, nr, ws_.st);
           }
           const acc_t* terms = ws_.terms ? ws_.terms + c * split_.block_kv : nullptr;
           tiles_.transform_scores(o, q0 + c, prow, nr, k0, cols, ws_.st, ws_.mt, nullptr,
@@ -487,7 +501,7 @@ int64_t heads_sharing_mask(const AttentionParams& p) {
   if (p.seq.on() || !mask_shared_by_heads(p)) return 1;
   const int64_t h = p.outer.size[p.outer.dims - 1];
   constexpr int64_t nr = panel_width<acc_t>();
-  const int64_t rows = kMaxBlockQ;
+  const int64_t rows = kSharedMaskBlockQ;
   const int64_t per_head = static_cast<int64_t>(sizeof(acc_t)) *
                            (rows * p.dim_qk + 3 * rows + rows * round_up(p.dim_v, nr));
   int64_t heads = std::clamp<int64_t>(kHeadsBytes / std::max<int64_t>(per_head, 1), 1, h);
@@ -501,7 +515,8 @@ WorkSplit configure(const AttentionParams& p, int64_t threads) {
   WorkSplit split;
   split.heads = heads_sharing_mask<acc_t>(p);
   split.block_q = band_block(
-      p, std::min(work_block(p.len_q, p.num_outer / split.heads, threads, nr, kMaxBlockQ),
+      p, std::min(work_block(p.len_q, p.num_outer / split.heads, threads, nr,
+                             split.heads > 1 ? kSharedMaskBlockQ : kMaxBlockQ),
                   round_up(std::max<int64_t>(p.len_q, 1), nr)),
       nr);
   split.block_kv = paged_block(p, std::min(kBlockKV, std::max<int64_t>(p.len_kv, 1)));

@@ -750,6 +750,45 @@ class TileReader {
     }
   }
 
+  // Kᵀ of a key block: the cols rows of k (ldk apart, dim wide) as dim rows
+  // of ldt = round_up(cols, w) keys (lanes past cols zero), through w × w
+  // register transposes. scores_of_keys_transposed then reads each step's
+  // keys from one or two cache lines, where scores() reads one element of
+  // each of its kMicroRows rows of k.
+  void transpose_keys(const acc_t* k, int64_t ldk, int64_t cols, int64_t dim, acc_t* kt) const {
+    const int64_t ldt = round_up(cols, w);
+    acc_t block[w * w];
+    int64_t j0 = 0;
+    for (; j0 + w <= cols; j0 += w) {
+      int64_t e0 = 0;
+      for (; e0 + w <= dim; e0 += w) {
+        transpose_block(k + j0 * ldk + e0, ldk, block);
+        for (int64_t e = 0; e < w; ++e) Vec::loadu(block + e * w).store(kt + (e0 + e) * ldt + j0);
+      }
+      for (; e0 < dim; ++e0) {
+        for (int64_t j = 0; j < w; ++j) kt[e0 * ldt + j0 + j] = k[(j0 + j) * ldk + e0];
+      }
+    }
+    for (; j0 < ldt; ++j0) {
+      for (int64_t e = 0; e < dim; ++e) kt[e * ldt + j0] = j0 < cols ? k[j0 * ldk + e] : acc_t(0);
+    }
+  }
+
+  // scores() from the key block's transpose_keys.
+  void scores_of_keys_transposed(const acc_t* kt, int64_t cols, const acc_t* qt, int64_t bq,
+                                 acc_t* st) const {
+    const int64_t d = p_.dim_qk, ldt = round_up(cols, w);
+    auto q_panel = [&](int64_t c) { return qt + c * d; };
+    if (p_.softcap > 0) {
+      const SoftcapEpilogue<acc_t> cap(static_cast<acc_t>(p_.softcap));
+      gemm<acc_t, /*kRowsOfA=*/false, /*kAccumulate=*/false>(cols, bq, d, kt, ldt, q_panel, nr,
+                                                             st, bq, cap);
+    } else {
+      gemm<acc_t, /*kRowsOfA=*/false, /*kAccumulate=*/false>(cols, bq, d, kt, ldt, q_panel, nr,
+                                                             st, bq);
+    }
+  }
+
   // The rest of the score pipeline on the (capped) transposed scores st of
   // scores() (row j = key k0 + j, bq query lanes, queries q0..q0+rows): ALiBi,
   // the band (causal, sliding window), the explicit mask. With softcap and
