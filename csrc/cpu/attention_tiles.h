@@ -199,20 +199,15 @@ Vectorized<acc_t> exp_of_difference(const Vectorized<acc_t>& x_in, const Vectori
   return (x_in - m_in).exp_u20();
 }
 
-// Asks for the cache line at p to come into L1 (kLocality 3) or L2 (2).
-// An asm statement on x86: GCC 12 deletes loops of __builtin_prefetch once
-// they are inlined into the kernels (a loop with no other effect), so the
-// prefetches the kernels asked for were never issued.
-template <int kLocality>
-inline void prefetch_line(const void* p) {
+// Asks for the cache line at p to come into L2. An asm statement on x86:
+// GCC 12 deletes loops of __builtin_prefetch once they are inlined into the
+// kernels (a loop with no other effect), so the prefetches the kernels
+// asked for were never issued.
+inline void prefetch_to_l2(const void* p) {
 #if defined(__x86_64__)
-  if constexpr (kLocality >= 3) {
-    asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
-  } else {
-    asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
-  }
+  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
 #else
-  __builtin_prefetch(p, 0, kLocality);
+  __builtin_prefetch(p, 0, 2);
 #endif
 }
 
@@ -394,7 +389,9 @@ inline void microkernel_rows(int64_t m, const acc_t* a, int64_t lda, const acc_t
 
 // c[m × ncols] (+)= a[m × n] · b[n × ncols] with ncols a multiple of the panel
 // width, as a grid of micro-kernel calls. b_panel(col) gives the start of the
-// column panel at col, and its rows are b_step apart.
+// column panel at col, and its rows are b_step apart. Out of line: inlined
+// into a kernel's item loop, GCC ran out of general registers and kept the
+// score kernel's row pointers on the stack (loads and stores every step).
 template <typename acc_t, bool kRowsOfA, bool kAccumulate, typename BPanel,
           typename Epilogue = NoEpilogue>
 __attribute__((noinline)) void gemm(int64_t m, int64_t ncols, int64_t n, const acc_t* a, int64_t lda,
@@ -667,11 +664,11 @@ class TileReader {
   // V, to be brought into L2 (keys within one page of a paged cache).
   void prefetch_rows_to_l2(const Matrix& t, int64_t o, int64_t r0, int64_t rows,
                            int64_t dim) const {
-    prefetch_lines</*kLocality=*/2>(start(t, o) + r0 * t.row_stride, t.row_stride, rows, dim);
+    prefetch_lines(start(t, o) + r0 * t.row_stride, t.row_stride, rows, dim);
   }
   void prefetch_key_rows_to_l2(KeySide side, int64_t o, int64_t k0, int64_t cols,
                                int64_t dim) const {
-    prefetch_lines</*kLocality=*/2>(key_rows(side, o, k0), key_matrix(side).row_stride, cols, dim);
+    prefetch_lines(key_rows(side, o, k0), key_matrix(side).row_stride, cols, dim);
   }
 
   // Asks for the mask's tile of queries q0..q0+rows and keys k0..k0+cols
@@ -684,7 +681,7 @@ class TileReader {
     with_mask_type([&](auto mask) {
       using mask_t = decltype(mask);
       const mask_t* first = matrix_start<const mask_t>(p_.outer, mk, o) + q0 * mk.row_stride + k0;
-      prefetch_lines</*kLocality=*/2>(first, mk.row_stride, rows, cols);
+      prefetch_lines(first, mk.row_stride, rows, cols);
     });
   }
 
@@ -738,16 +735,7 @@ class TileReader {
   // With softcap, the scores come out capped (the GEMM's epilogue).
   void scores(const acc_t* k, int64_t ldk, int64_t cols, const acc_t* qt, int64_t bq,
               acc_t* st) const {
-    const int64_t d = p_.dim_qk;
-    auto q_panel = [&](int64_t c) { return qt + c * d; };
-    if (p_.softcap > 0) {
-      const SoftcapEpilogue<acc_t> cap(static_cast<acc_t>(p_.softcap));
-      gemm<acc_t, /*kRowsOfA=*/true, /*kAccumulate=*/false>(cols, bq, d, k, ldk, q_panel, nr, st,
-                                                            bq, cap);
-    } else {
-      gemm<acc_t, /*kRowsOfA=*/true, /*kAccumulate=*/false>(cols, bq, d, k, ldk, q_panel, nr, st,
-                                                            bq);
-    }
+    score_gemm</*kRowsOfA=*/true>(k, ldk, cols, qt, bq, st);
   }
 
   // Kᵀ of a key block: the cols rows of k (ldk apart, dim wide) as dim rows
@@ -777,16 +765,7 @@ class TileReader {
   // scores() from the key block's transpose_keys.
   void scores_of_keys_transposed(const acc_t* kt, int64_t cols, const acc_t* qt, int64_t bq,
                                  acc_t* st) const {
-    const int64_t d = p_.dim_qk, ldt = round_up(cols, w);
-    auto q_panel = [&](int64_t c) { return qt + c * d; };
-    if (p_.softcap > 0) {
-      const SoftcapEpilogue<acc_t> cap(static_cast<acc_t>(p_.softcap));
-      gemm<acc_t, /*kRowsOfA=*/false, /*kAccumulate=*/false>(cols, bq, d, kt, ldt, q_panel, nr,
-                                                             st, bq, cap);
-    } else {
-      gemm<acc_t, /*kRowsOfA=*/false, /*kAccumulate=*/false>(cols, bq, d, kt, ldt, q_panel, nr,
-                                                             st, bq);
-    }
+    score_gemm</*kRowsOfA=*/false>(kt, round_up(cols, w), cols, qt, bq, st);
   }
 
   // The rest of the score pipeline on the (capped) transposed scores st of
@@ -910,17 +889,32 @@ class TileReader {
   }
 
  private:
-  // Prefetches every cache line of rows rows of dim elements (row_stride
-  // apart) from first: into L1 (kLocality 3) or L2 (2).
-  template <int kLocality, typename T>
+  // Prefetches into L2 every cache line of rows rows of dim elements
+  // (row_stride apart) from first.
+  template <typename T>
   static void prefetch_lines(const T* first, int64_t row_stride, int64_t rows, int64_t dim) {
     constexpr int64_t size = sizeof(T);
     for (int64_t i = 0; i < rows; ++i) {
       const uintptr_t begin = reinterpret_cast<uintptr_t>(first + i * row_stride);
       const uintptr_t end = begin + dim * size;
       for (uintptr_t line = begin & ~uintptr_t(63); line < end; line += 64) {
-        prefetch_line<kLocality>(reinterpret_cast<const void*>(line));
+        prefetch_to_l2(reinterpret_cast<const void*>(line));
       }
+    }
+  }
+
+  // The score GEMM of scores() (kRowsOfA: keys as rows of k) and of
+  // scores_of_keys_transposed (keys as the columns of kᵀ, ldk apart).
+  template <bool kRowsOfA>
+  void score_gemm(const acc_t* k, int64_t ldk, int64_t cols, const acc_t* qt, int64_t bq,
+                  acc_t* st) const {
+    const int64_t d = p_.dim_qk;
+    auto q_panel = [&](int64_t c) { return qt + c * d; };
+    if (p_.softcap > 0) {
+      const SoftcapEpilogue<acc_t> cap(static_cast<acc_t>(p_.softcap));
+      gemm<acc_t, kRowsOfA, /*kAccumulate=*/false>(cols, bq, d, k, ldk, q_panel, nr, st, bq, cap);
+    } else {
+      gemm<acc_t, kRowsOfA, /*kAccumulate=*/false>(cols, bq, d, k, ldk, q_panel, nr, st, bq);
     }
   }
 
