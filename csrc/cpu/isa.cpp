@@ -8,6 +8,10 @@
 #include <algorithm>
 #include <cctype>
 #include <cstdlib>
+#include <fstream>
+#include <string>
+
+#include <unistd.h>
 
 namespace fusedmha::cpu {
 namespace {
@@ -99,6 +103,22 @@ IsaKernels selected_kernels() {
     default: return FUSEDMHA_KERNELS(DEFAULT);
   }
 #undef FUSEDMHA_KERNELS
+}
+
+int64_t l2_cache_bytes() {
+  static const int64_t bytes = [] {
+#ifdef _SC_LEVEL2_CACHE_SIZE
+    const long size = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    if (size > 0) return static_cast<int64_t>(size);
+#endif
+    // Linux without glibc's cache sysconf: sysfs, e.g. "512K".
+    std::ifstream file("/sys/devices/system/cpu/cpu0/cache/index2/size");
+    int64_t kib = 0;
+    std::string unit;
+    if (file >> kib >> unit && kib > 0 && unit == "K") return kib * 1024;
+    return static_cast<int64_t>(1) << 20;
+  }();
+  return bytes;
 }
 
 

@@ -79,4 +79,8 @@ struct IsaKernels {
 // The kernels of the ISA level selected now (see isa.h).
 IsaKernels selected_kernels();
 
+// This CPU's L2 cache per core, in bytes (1 MiB where the system does not
+// say), read once: the forward kernel sizes its query blocks by it.
+int64_t l2_cache_bytes();
+
 }  // namespace fusedmha::cpu

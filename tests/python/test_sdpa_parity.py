@@ -40,6 +40,16 @@ def test_half_precision_lengths_across_tiles(dtype, L, S, is_causal, rand):
     assert_attention_close(sdpa(q, k, v, is_causal=is_causal), q, k, v, is_causal=is_causal)
 
 
+@pytest.mark.parametrize("E", [64, 128])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_long_query_blocks(E, is_causal, rand):
+    """Lengths past the forward's 512-row query blocks (taken where the CPU's L2 holds one,
+    e.g. E=64 on a 512 KiB L2; 256 rows otherwise), with a ragged last block: 8 outer
+    indices, so the blocks are not shortened to give the threads more items."""
+    q, k, v = rand(2, 4, 1100, E), rand(2, 4, 1100, E), rand(2, 4, 1100, E)
+    assert_attention_close(sdpa(q, k, v, is_causal=is_causal), q, k, v, is_causal=is_causal)
+
+
 @pytest.mark.parametrize("batch", [(), (3,), (2, 3)], ids=str)
 def test_batch_dims(batch, rand):
     q, k, v = rand(*batch, 4, 19, 16), rand(*batch, 4, 23, 16), rand(*batch, 4, 23, 8)
