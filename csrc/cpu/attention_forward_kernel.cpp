@@ -60,7 +60,7 @@ template <typename acc_t>
 struct ForwardWorkspace {
   acc_t* st;     // bkv × nr    scores, then probabilities, of one panel of queries, transposed
   acc_t* k;      // bkv × dqk   widened key block (half-precision inputs)
-  acc_t* kt;     // dqk × bkv   the key block transposed (blocks of kTransposedKeysRows or more)
+  acc_t* kt;     // dqk × bkv   the key block transposed (blocks of kTransposedKeysRows or more, or few rows)
   acc_t* v;      // bkv × dv    the value block in column panels (key_panels_of); decoding: widened/padded rows
   acc_t* mt;     // w × bkv     mask terms of w queries (general masks)
   acc_t* terms;  // bkv × bq    mask terms shared by the item's heads (split.heads > 1), by panel
@@ -177,7 +177,7 @@ class ForwardKernel {
           const RowState<acc_t> ps{st.m + c, st.l + c, st.alpha + c, st.o + c * ws_.dv};
           const acc_t* qt = head_rows(h, bq) + c * p_.dim_qk;
           if (few_rows) {  // (then a single panel)
-            tiles_.few_row_scores(k, ldk, cols, head_rows(h, bq), rows, nr, ws_.st);
+            tiles_.few_row_scores(k, ldk, cols, head_rows(h, bq), rows, nr, ws_.st, ws_.kt);
           } else if (keys_transposed) {
             tiles_.scores_of_keys_transposed(ws_.kt, cols, qt, nr, ws_.st);
           } else {
@@ -236,7 +236,7 @@ class ForwardKernel {
         int64_t ldk, ldv;
         const acc_t* k =
             tiles_.key_rows_of(Tiles::KeySide::K, o, k0, cols, p_.dim_qk, false, ws_.k, &ldk);
-        tiles_.few_row_scores(k, ldk, cols, head_rows(h, bq), rows, bq, ws_.st);
+        tiles_.few_row_scores(k, ldk, cols, head_rows(h, bq), rows, bq, ws_.st, ws_.kt);
         tiles_.transform_scores(o, 0, rows, bq, k0, cols, ws_.st, ws_.mt);
         softmax_step(bq, cols, st);
         if (k0 != kv_begin) rescale_output(0, rows, st);  // (the first block's output is 0)

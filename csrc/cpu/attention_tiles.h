@@ -152,7 +152,7 @@ Vectorized<acc_t> tanh_of_half(const Vectorized<acc_t>& x_in) {
 // an integer and r in ±1/2: 2^r is a degree-5 polynomial fitted to 2^r on
 // that interval (relative error 3e-7 in float, against exp_u20's 20 ulp)
 // and 2^n goes into the exponent (AVX-512's scalef; on AVX2 by integer
-// arithmetic, with t clamped to the normal range). t below −126 gives 0 (so
+// arithmetic, t clamped to [−126, 128]). t below −126 gives 0 (so
 // −inf does, exactly: a masked key adds nothing to a row's sum), and NaN
 // stays NaN. About 13 vector operations, against 20 for exp_u20 with the
 // subtraction. Elsewhere: exp_u20.
@@ -177,7 +177,10 @@ Vectorized<acc_t> exp_of_difference(const Vectorized<acc_t>& x_in, const Vectori
     const V n = _mm512_roundscale_ps(tc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 #else
     const V keep = _mm256_cmp_ps(t, lowest, _CMP_NLT_UQ);
-    const V tc = FMH_(min_ps)(FMH_(set1_ps)(127.0f), FMH_(max_ps)(lowest, t));
+    // (Clamped above at 128, whose exponent bits, 255, are +inf's: t past
+    // the float range gives +inf, as AVX-512's scalef and exp itself do, not
+    // 2^127; with huge scores a row's alpha or sum can take that path.)
+    const V tc = FMH_(min_ps)(FMH_(set1_ps)(128.0f), FMH_(max_ps)(lowest, t));
     const V n = _mm256_round_ps(tc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 #endif
     const V r = FMH_(sub_ps)(tc, n);
@@ -694,40 +697,54 @@ class TileReader {
     }
   }
 
-  // Sᵀ as scores() computes it (no softcap), for a block of few query rows
-  // (decoding: one row per head, or the G heads of a K/V head): dot
-  // products along the head dim, so the work is rows·cols·dim, not the
-  // panel width's (query lanes padded to 2 vectors would multiply it by up
-  // to 2·w / rows). qr holds the rows (pack_rows); lanes rows..bq of st get 0.
+  // Sᵀ as scores() computes it (no softcap), bit for bit, for a block of
+  // few query rows (decoding: one row per head, or the G heads of a K/V
+  // head): the key block transposed into kt (transpose_keys), then each
+  // row's scores a vector of keys at a time, accumulated along the head dim
+  // one FMA per dim in the score GEMM's order. So the work is rows·cols·dim,
+  // not the panel width's (query lanes padded to 2 vectors would multiply it
+  // by up to 2·w / rows), and these scores equal the ones the backward and
+  // the weights pass recompute with the GEMM: with scores of 1e30, one ulp
+  // of difference (dot products summed across lanes) was a factor of
+  // e^(±1e23) in their exp(s − lse). qr holds the rows (pack_rows); lanes
+  // rows..bq of st get 0.
   void few_row_scores(const acc_t* k, int64_t ldk, int64_t cols, const acc_t* qr, int64_t rows,
-                      int64_t bq, acc_t* st) const {
-    const int64_t d = p_.dim_qk, full = d / w * w;
-    for (int64_t j = 0; j < cols; ++j) {
-      const acc_t* kj = k + j * ldk;
-      acc_t* s = st + j * bq;
-      for (int64_t c = 0; c < bq; c += w) Vec(acc_t(0)).store(s + c);
+                      int64_t bq, acc_t* st, acc_t* kt) const {
+    const int64_t d = p_.dim_qk, ldt = round_up(cols, w);
+    transpose_keys(k, ldk, cols, d, kt);
+    for (int64_t j = 0; j < cols * bq; j += w) Vec(acc_t(0)).store(st + j);
+    for (int64_t j0 = 0; j0 < cols; j0 += 2 * w) {
       int64_t i = 0;
-      for (; i + 4 <= rows; i += 4) {  // four rows share each load of the key
-        Vec a0(acc_t(0)), a1(acc_t(0)), a2(acc_t(0)), a3(acc_t(0));
-        const acc_t* q = qr + i * d;
-        for (int64_t e = 0; e < full; e += w) {
-          const Vec kv = Vec::loadu(kj + e);
-          a0 = at::vec::fmadd(kv, Vec::loadu(q + e), a0);
-          a1 = at::vec::fmadd(kv, Vec::loadu(q + d + e), a1);
-          a2 = at::vec::fmadd(kv, Vec::loadu(q + 2 * d + e), a2);
-          a3 = at::vec::fmadd(kv, Vec::loadu(q + 3 * d + e), a3);
-        }
-        s[i] = a0.reduce_add() + dot_tail(kj, q, full, d);
-        s[i + 1] = a1.reduce_add() + dot_tail(kj, q + d, full, d);
-        s[i + 2] = a2.reduce_add() + dot_tail(kj, q + 2 * d, full, d);
-        s[i + 3] = a3.reduce_add() + dot_tail(kj, q + 3 * d, full, d);
+      for (; i + 4 <= rows; i += 4) row_scores<4>(kt, ldt, j0, cols, qr, i, bq, st);
+      for (; i < rows; ++i) row_scores<1>(kt, ldt, j0, cols, qr, i, bq, st);
+    }
+  }
+
+  // few_row_scores' scores of rows i..i+R and keys j0..j0+2w (those below
+  // cols): 2·R independent FMA chains.
+  template <int R>
+  void row_scores(const acc_t* kt, int64_t ldt, int64_t j0, int64_t cols, const acc_t* qr,
+                  int64_t i, int64_t bq, acc_t* st) const {
+    const int64_t d = p_.dim_qk;
+    const bool two = j0 + w < cols;
+    Vec a0[R], a1[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) a0[r] = a1[r] = Vec(acc_t(0));
+    for (int64_t e = 0; e < d; ++e) {
+      const Vec k0 = Vec::loadu(kt + e * ldt + j0);
+      const Vec k1 = two ? Vec::loadu(kt + e * ldt + j0 + w) : Vec(acc_t(0));
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const Vec x(qr[(i + r) * d + e]);
+        a0[r] = at::vec::fmadd(k0, x, a0[r]);
+        a1[r] = at::vec::fmadd(k1, x, a1[r]);
       }
-      for (; i < rows; ++i) {
-        Vec a(acc_t(0));
-        const acc_t* q = qr + i * d;
-        for (int64_t e = 0; e < full; e += w) a = at::vec::fmadd(Vec::loadu(kj + e), Vec::loadu(q + e), a);
-        s[i] = a.reduce_add() + dot_tail(kj, q, full, d);
-      }
+    }
+    alignas(64) acc_t lanes[2 * w];
+    for (int r = 0; r < R; ++r) {
+      a0[r].store(lanes);
+      a1[r].store(lanes + w);
+      for (int64_t j = j0; j < std::min(cols, j0 + 2 * w); ++j) st[j * bq + i + r] = lanes[j - j0];
     }
   }
 
@@ -916,12 +933,6 @@ class TileReader {
     } else {
       gemm<acc_t, kRowsOfA, /*kAccumulate=*/false>(cols, bq, d, k, ldk, q_panel, nr, st, bq);
     }
-  }
-
-  static acc_t dot_tail(const acc_t* a, const acc_t* b, int64_t from, int64_t to) {
-    acc_t sum = 0;
-    for (int64_t e = from; e < to; ++e) sum += a[e] * b[e];
-    return sum;
   }
 
   const Matrix& key_matrix(KeySide side) const { return side == KeySide::K ? p_.k : p_.v; }
