@@ -35,10 +35,8 @@ constexpr int64_t kSharedMaskBlockQ = 128;
 constexpr int64_t kBlockKV = 64;
 // Query blocks of at most this many rows (decoding) take few_row_scores.
 constexpr int64_t kFewRows = 8;
-// Decoding splits the keys into chunks of at least this many blocks, of
-// kDecodeBlockKV keys each.
+// Decoding splits the keys into chunks of at least this many key blocks.
 constexpr int64_t kMinChunkBlocks = 4;
-constexpr int64_t kDecodeBlockKV = 16;
 constexpr int64_t kMinChunkKeys = 1024;
 // Keys of the next work item prefetched into L2 (prefetch_item).
 constexpr int64_t kPrefetchKeys = 128;
@@ -545,9 +543,6 @@ WorkSplit configure(const AttentionParams& p, int64_t threads) {
   if (p.len_q > 0 && p.len_q <= kFewRows && p.softcap == 0 && !p.dropout.on() &&
       p.len_kv >= kMinChunkBlocks * split.block_kv) {
     split.decode = true;
-    // Key blocks of every head together: small ones, so that a block's K and
-    // V rows of all heads stay in L1/L2 while each head reads its slices.
-    split.block_kv = paged_block(p, std::min<int64_t>(split.block_kv, kDecodeBlockKV));
     // The heads of a sequence (packed batches), else of the last outer dim.
     split.heads = p.seq.on() ? p.seq.heads : (p.outer.dims ? p.outer.size[p.outer.dims - 1] : 1);
     const int64_t groups = p.num_outer / split.heads;

@@ -715,36 +715,44 @@ class TileReader {
     for (int64_t j = 0; j < cols * bq; j += w) Vec(acc_t(0)).store(st + j);
     for (int64_t j0 = 0; j0 < cols; j0 += 2 * w) {
       int64_t i = 0;
-      for (; i + 4 <= rows; i += 4) row_scores<4>(kt, ldt, j0, cols, qr, i, bq, st);
-      for (; i < rows; ++i) row_scores<1>(kt, ldt, j0, cols, qr, i, bq, st);
+      if (j0 + w < cols) {
+        for (; i + 4 <= rows; i += 4) row_scores<4, 2>(kt, ldt, j0, cols, qr, i, bq, st);
+        for (; i < rows; ++i) row_scores<1, 2>(kt, ldt, j0, cols, qr, i, bq, st);
+      } else {
+        for (; i + 4 <= rows; i += 4) row_scores<4, 1>(kt, ldt, j0, cols, qr, i, bq, st);
+        for (; i < rows; ++i) row_scores<1, 1>(kt, ldt, j0, cols, qr, i, bq, st);
+      }
     }
   }
 
-  // few_row_scores' scores of rows i..i+R and keys j0..j0+2w (those below
-  // cols): 2·R independent FMA chains.
-  template <int R>
-  void row_scores(const acc_t* kt, int64_t ldt, int64_t j0, int64_t cols, const acc_t* qr,
+  // few_row_scores' scores of rows i..i+R and keys j0..j0+V·w (those below
+  // cols): R·V independent FMA chains. Out of line, as gemm: inlined into
+  // the decoding loop, GCC stored every accumulator to the stack each step.
+  template <int R, int V>
+  __attribute__((noinline)) void row_scores(const acc_t* kt, int64_t ldt, int64_t j0, int64_t cols, const acc_t* qr,
                   int64_t i, int64_t bq, acc_t* st) const {
     const int64_t d = p_.dim_qk;
-    const bool two = j0 + w < cols;
-    Vec a0[R], a1[R];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) a0[r] = a1[r] = Vec(acc_t(0));
+    const acc_t* q = qr + i * d;
+    Vec a[R * V];
+#pragma GCC unroll 8
+    for (int t = 0; t < R * V; ++t) a[t] = Vec(acc_t(0));
     for (int64_t e = 0; e < d; ++e) {
-      const Vec k0 = Vec::loadu(kt + e * ldt + j0);
-      const Vec k1 = two ? Vec::loadu(kt + e * ldt + j0 + w) : Vec(acc_t(0));
+      Vec k[V];
+#pragma GCC unroll 2
+      for (int v = 0; v < V; ++v) k[v] = Vec::loadu(kt + e * ldt + j0 + v * w);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
-        const Vec x(qr[(i + r) * d + e]);
-        a0[r] = at::vec::fmadd(k0, x, a0[r]);
-        a1[r] = at::vec::fmadd(k1, x, a1[r]);
+        const Vec x(q[r * d + e]);
+#pragma GCC unroll 2
+        for (int v = 0; v < V; ++v) a[r * V + v] = at::vec::fmadd(k[v], x, a[r * V + v]);
       }
     }
-    alignas(64) acc_t lanes[2 * w];
+    alignas(64) acc_t lanes[V * w];
+    const int64_t n = std::min<int64_t>(cols - j0, V * w);
     for (int r = 0; r < R; ++r) {
-      a0[r].store(lanes);
-      a1[r].store(lanes + w);
-      for (int64_t j = j0; j < std::min(cols, j0 + 2 * w); ++j) st[j * bq + i + r] = lanes[j - j0];
+#pragma GCC unroll 2
+      for (int v = 0; v < V; ++v) a[r * V + v].store(lanes + v * w);
+      for (int64_t j = 0; j < n; ++j) st[(j0 + j) * bq + i + r] = lanes[j];
     }
   }
 
