@@ -10,8 +10,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
-# (ccache keys on paths relative to the checkout: see .ci/run)
-export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$root}"
 bash tests/install_deps.sh
 build="${FUSEDMHA_TEST_BUILD_DIR:-$root/build/tests}"
 python=${PYTHON:-python3}

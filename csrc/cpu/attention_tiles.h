@@ -729,8 +729,9 @@ class TileReader {
   // cols): R·V independent FMA chains. Out of line, as gemm: inlined into
   // the decoding loop, GCC stored every accumulator to the stack each step.
   template <int R, int V>
-  __attribute__((noinline)) void row_scores(const acc_t* kt, int64_t ldt, int64_t j0, int64_t cols, const acc_t* qr,
-                  int64_t i, int64_t bq, acc_t* st) const {
+  __attribute__((noinline)) void row_scores(const acc_t* kt, int64_t ldt, int64_t j0,
+                                            int64_t cols, const acc_t* qr, int64_t i,
+                                            int64_t bq, acc_t* st) const {
     const int64_t d = p_.dim_qk;
     const acc_t* q = qr + i * d;
     Vec a[R * V];
