@@ -100,7 +100,7 @@ class ForwardKernel {
   static constexpr int64_t w = Vec::size();
 
   ForwardKernel(const AttentionParams& p, const WorkSplit& split, Arena<acc_t> arena)
-      : p_(p), split_(split), tiles_(p_), ws_(p, split, arena) {}
+      : call_(p), p_(p), split_(split), tiles_(p_), ws_(p, split, arena) {}
 
   // One item = split_.heads outer indices (one, or the heads of a batch
   // index when they share a mask) over one block of query rows. Each key
@@ -108,11 +108,9 @@ class ForwardKernel {
   // read and transposed once for all of them.
   void run(int64_t item) {
     if (split_.decode) return run_decode(item);
-    prefetch_item(item, item - split_.threads);
     // Items cover the longest sequence; a shorter one's extra items do nothing.
-    const int64_t nqb = div_up(p_.len_q, split_.block_q);
-    const int64_t heads = split_.heads, o0 = item / nqb * heads;
-    const int64_t q0 = (item % nqb) * split_.block_q;
+    const int64_t heads = split_.heads;
+    const auto [o0, q0] = item_place(item);
     p_ = sequence_of(p_, o0);  // (heads of one item share their sequence)
     if (q0 >= p_.len_q) return;
     const int64_t rows = std::min(split_.block_q, p_.len_q - q0);
@@ -138,19 +136,12 @@ class ForwardKernel {
     if (p_.pages.table) kv_begin = kv_begin / split_.block_kv * split_.block_kv;
     for (int64_t k0 = kv_begin; k0 < kv_end; k0 += split_.block_kv) {
       const int64_t cols = std::min(split_.block_kv, kv_end - k0);
-      // The next block's mask tile into L2 (its rows are far apart), and
-      // with several heads per item their keys and values (all heads' do
-      // not stay in L2 from the item's previous pass; one head's mostly do).
-      const int64_t next = std::min(split_.block_kv, kv_end - k0 - cols);
-      if (next > 0) tiles_.prefetch_mask_tile(o0, q0, rows, k0 + cols, next);
-      for (int64_t h = 0; h < heads && heads > 1 && next > 0; ++h) {
-        tiles_.prefetch_key_rows_to_l2(Tiles::KeySide::K, o0 + h, k0 + cols, next, p_.dim_qk);
-        tiles_.prefetch_key_rows_to_l2(Tiles::KeySide::V, o0 + h, k0 + cols, next, p_.dim_v);
-      }
       // The query panels [lane0, lane1) that see any of the block's keys: in
       // a band's corners (the diagonal's blocks, causal), whole panels of
       // queries see none and are neither computed nor updated.
       const auto [lane0, lane1] = seeing_lanes(q0, rows, bq, k0, cols);
+      queue_prefetches(item, o0, q0, rows, k0 + cols, std::min(split_.block_kv, kv_end - k0 - cols),
+                       heads * block_bursts(cols, lane1 - lane0, keys_transposed));
       if (ws_.terms) {
         // (Panel c's terms at terms + c·bkv: laid out like its scores.)
         for (int64_t c = lane0; c < lane1; c += nr) {
@@ -166,7 +157,7 @@ class ForwardKernel {
             tiles_.key_rows_of(Tiles::KeySide::K, o, k0, cols, p_.dim_qk, false, ws_.k, &ldk);
         // (V in column panels: every query panel's P·V streams them.)
         tiles_.key_panels_of(Tiles::KeySide::V, o, k0, cols, p_.dim_v, ws_.v);
-        if (keys_transposed) tiles_.transpose_keys(k, ldk, cols, p_.dim_qk, ws_.kt);
+        if (keys_transposed) tiles_.transpose_keys(k, ldk, cols, p_.dim_qk, ws_.kt, &prefetch_);
         // One panel of nr queries at a time, from its scores to its P·V: its
         // tile of Sᵀ (cols × nr) stays in L1 throughout, and K and V are
         // read from L1 by every panel after the first.
@@ -174,12 +165,13 @@ class ForwardKernel {
           const int64_t prow = std::min(nr, rows - c);
           const RowState<acc_t> ps{st.m + c, st.l + c, st.alpha + c, st.o + c * ws_.dv};
           const acc_t* qt = head_rows(h, bq) + c * p_.dim_qk;
+          PrefetchQueue* pq = &prefetch_;
           if (few_rows) {  // (then a single panel)
-            tiles_.few_row_scores(k, ldk, cols, head_rows(h, bq), rows, nr, ws_.st, ws_.kt);
+            tiles_.few_row_scores(k, ldk, cols, head_rows(h, bq), rows, nr, ws_.st, ws_.kt, pq);
           } else if (keys_transposed) {
-            tiles_.scores_of_keys_transposed(ws_.kt, cols, qt, nr, ws_.st);
+            tiles_.scores_of_keys_transposed(ws_.kt, cols, qt, nr, ws_.st, pq);
           } else {
-            tiles_.scores(k, ldk, cols, qt, nr, ws_.st);
+            tiles_.scores(k, ldk, cols, qt, nr, ws_.st, pq);
           }
           const acc_t* terms = ws_.terms ? ws_.terms + c * split_.block_kv : nullptr;
           tiles_.transform_scores(o, q0 + c, prow, nr, k0, cols, ws_.st, ws_.mt, nullptr,
@@ -194,7 +186,7 @@ class ForwardKernel {
           }
           gemm<acc_t, /*kRowsOfA=*/false, /*kAccumulate=*/true>(
               prow, ws_.dv, cols, ws_.st, nr, [&](int64_t e) { return ws_.v + e * cols; }, nr,
-              ps.o, ws_.dv);
+              ps.o, ws_.dv, NoEpilogue{}, pq);
         }
       }
     }
@@ -232,22 +224,19 @@ class ForwardKernel {
         const int64_t o = o0 + h;
         const RowState<acc_t> st = head_state(h, bq);
         int64_t ldk, ldv;
-        // Into L2 while this head's scores are computed: the block's values,
-        // and the next head's keys (at S=4096, mostly in L3: 14% faster).
-        tiles_.prefetch_key_rows_to_l2(Tiles::KeySide::V, o, k0, cols, p_.dim_v);
-        if (h + 1 < heads) {
-          tiles_.prefetch_key_rows_to_l2(Tiles::KeySide::K, o + 1, k0, cols, p_.dim_qk);
-        }
+        queue_next_head_block(h, k0, kv_end, rows, o0);
+        PrefetchQueue* pq = &prefetch_;
         const acc_t* k =
             tiles_.key_rows_of(Tiles::KeySide::K, o, k0, cols, p_.dim_qk, false, ws_.k, &ldk);
-        tiles_.few_row_scores(k, ldk, cols, head_rows(h, bq), rows, bq, ws_.st, ws_.kt);
+        tiles_.few_row_scores(k, ldk, cols, head_rows(h, bq), rows, bq, ws_.st, ws_.kt, pq);
         tiles_.transform_scores(o, 0, rows, bq, k0, cols, ws_.st, ws_.mt);
         softmax_step(bq, cols, st);
         if (k0 != kv_begin) rescale_output(0, rows, st);  // (the first block's output is 0)
         const acc_t* v =
             tiles_.key_rows_of(Tiles::KeySide::V, o, k0, cols, p_.dim_v, true, ws_.v, &ldv);
         gemm<acc_t, /*kRowsOfA=*/false, /*kAccumulate=*/true>(
-            rows, ws_.dv, cols, ws_.st, bq, [&](int64_t e) { return v + e; }, ldv, st.o, ws_.dv);
+            rows, ws_.dv, cols, ws_.st, bq, [&](int64_t e) { return v + e; }, ldv, st.o, ws_.dv,
+            NoEpilogue{}, pq);
       }
     }
     for (int64_t h = 0; h < heads; ++h) {
@@ -305,29 +294,76 @@ class ForwardKernel {
   }
 
  private:
-  // Asks for the query block of item `next` and, when it belongs to other
-  // heads than item `current`, the first kPrefetchKeys keys it sees, to be
-  // brought into L2 while this item computes (p_ not yet narrowed to this
-  // item's sequence). Where each head's rows are read once (short
-  // sequences: a BERT batch streams every block from memory), this hides
-  // that latency; the same heads' keys are in cache from this item.
-  void prefetch_item(int64_t current, int64_t next) const {
-    if (next < 0 || p_.pages.table) return;
-    const int64_t nqb = div_up(p_.len_q, split_.block_q);
-    const int64_t o0 = next / nqb * split_.heads, q0 = (next % nqb) * split_.block_q;
-    const bool same_heads = current / nqb == next / nqb;
-    const AttentionParams np = sequence_of(p_, o0);
+  // Decoding: queues the keys and values of the (head, key block) after
+  // head h's block at k0, paced over the bursts that h's block issues (one
+  // per w × w transpose of its keys and per micro-kernel call of its P·V).
+  void queue_next_head_block(int64_t h, int64_t k0, int64_t kv_end, int64_t rows, int64_t o0) {
+    const bool last_head = h + 1 == split_.heads;
+    const int64_t next_k0 = last_head ? k0 + split_.block_kv : k0;
+    const int64_t cols = std::min(split_.block_kv, kv_end - next_k0);
+    if (cols <= 0) return;
+    const int64_t o = last_head ? o0 : o0 + h + 1;
+    tiles_.queue_key_rows(prefetch_, Tiles::KeySide::K, o, next_k0, cols, p_.dim_qk);
+    tiles_.queue_key_rows(prefetch_, Tiles::KeySide::V, o, next_k0, cols, p_.dim_v);
+    prefetch_.pace(cols / w * (p_.dim_qk / w) + ws_.dv / nr * div_up(rows, kMicroRows));
+  }
+
+  // Item i's first outer index and first query row.
+  std::pair<int64_t, int64_t> item_place(int64_t i) const {
+    const int64_t nqb = div_up(call_.len_q, split_.block_q);
+    return {i / nqb * split_.heads, i % nqb * split_.block_q};
+  }
+
+  // Queues what should come into L2 while the key block before keys
+  // k0..k0+cols of item `item` (outer indices o0.., queries q0..q0+rows)
+  // computes, paced over its `bursts` bursts: that block's mask tile (its
+  // rows are far apart, where the hardware prefetchers do not follow) and,
+  // with several heads per item, their keys and values (all heads' do not
+  // stay in L2 from the item's previous pass; one head's mostly do). After
+  // the last block (cols = 0): the next item's query block and, when it
+  // belongs to other heads, its first kPrefetchKeys keys; where each head's
+  // rows are read once (short sequences: a BERT batch streams every block
+  // from memory), this hides that latency.
+  void queue_prefetches(int64_t item, int64_t o0, int64_t q0, int64_t rows, int64_t k0,
+                        int64_t cols, int64_t bursts) {
+    if (cols > 0) {
+      tiles_.queue_mask_tile(prefetch_, o0, q0, rows, k0, cols);
+      for (int64_t h = 0; h < split_.heads && split_.heads > 1; ++h) {
+        tiles_.queue_key_rows(prefetch_, Tiles::KeySide::K, o0 + h, k0, cols, p_.dim_qk);
+        tiles_.queue_key_rows(prefetch_, Tiles::KeySide::V, o0 + h, k0, cols, p_.dim_v);
+      }
+    } else {
+      queue_item(item, item - split_.threads);  // (the thread's next item)
+    }
+    prefetch_.pace(bursts);
+  }
+
+  // The bursts one head issues over a key block of cols keys for `lanes`
+  // query lanes: a w × w key transpose or a micro-kernel call each.
+  int64_t block_bursts(int64_t cols, int64_t lanes, bool keys_transposed) const {
+    const int64_t per_panel = div_up(cols, kMicroRows) + ws_.dv / nr * div_up(nr, kMicroRows);
+    const int64_t transposes = keys_transposed ? div_up(cols, w) * (p_.dim_qk / w) : 0;
+    return transposes + lanes / nr * per_panel;
+  }
+
+  // The query block of item `next` and, when it belongs to other heads than
+  // item `current`, the first kPrefetchKeys keys it sees.
+  void queue_item(int64_t current, int64_t next) {
+    if (next < 0 || call_.pages.table) return;
+    const auto [o0, q0] = item_place(next);
+    const bool same_heads = item_place(current).first == o0;
+    const AttentionParams np = sequence_of(call_, o0);
     if (q0 >= np.len_q) return;
     const int64_t rows = std::min(split_.block_q, np.len_q - q0);
     const Tiles next_tiles(np);
     for (int64_t h = 0; h < split_.heads; ++h) {
       const int64_t o = o0 + h;
-      next_tiles.prefetch_rows_to_l2(np.q, o, q0, rows, np.dim_qk);
+      next_tiles.queue_rows(prefetch_, np.q, o, q0, rows, np.dim_qk);
       if (same_heads) continue;
       const auto [begin, end] = next_tiles.key_range(o, q0, rows);
       const int64_t cols = std::min(end - begin, kPrefetchKeys);
-      next_tiles.prefetch_key_rows_to_l2(Tiles::KeySide::K, o, begin, cols, np.dim_qk);
-      next_tiles.prefetch_key_rows_to_l2(Tiles::KeySide::V, o, begin, cols, np.dim_v);
+      next_tiles.queue_key_rows(prefetch_, Tiles::KeySide::K, o, begin, cols, np.dim_qk);
+      next_tiles.queue_key_rows(prefetch_, Tiles::KeySide::V, o, begin, cols, np.dim_v);
     }
   }
 
@@ -491,10 +527,12 @@ class ForwardKernel {
     }
   }
 
+  const AttentionParams& call_;  // the whole call
   AttentionParams p_;  // a copy: run() narrows it to the item's sequence
   const WorkSplit& split_;
   Tiles tiles_;
   ForwardWorkspace<acc_t> ws_;
+  PrefetchQueue prefetch_;
 };
 
 // Heads per item: with a mask that every head shares (mask_shared_by_heads),
