@@ -100,7 +100,8 @@ class ForwardKernel {
   static constexpr int64_t w = Vec::size();
 
   ForwardKernel(const AttentionParams& p, const WorkSplit& split, Arena<acc_t> arena)
-      : call_(p), p_(p), split_(split), tiles_(p_), ws_(p, split, arena) {}
+      : call_(p), p_(p), split_(split), tiles_(p_), ws_(p, split, arena),
+        prefetch_(/*into_l1=*/split.decode) {}
 
   // One item = split_.heads outer indices (one, or the heads of a batch
   // index when they share a mask) over one block of query rows. Each key

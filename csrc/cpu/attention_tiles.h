@@ -202,19 +202,25 @@ Vectorized<acc_t> exp_of_difference(const Vectorized<acc_t>& x_in, const Vectori
   return (x_in - m_in).exp_u20();
 }
 
-// Asks for the cache line at p to come into L2. An asm statement on x86:
-// GCC 12 deletes loops of __builtin_prefetch once they are inlined into the
-// kernels (a loop with no other effect), so the prefetches the kernels
-// asked for were never issued.
-inline void prefetch_to_l2(const void* p) {
+// Asks for the cache line at p to come into L2 (prefetcht1) or, with
+// kIntoL1, into L1 as well (prefetcht0, for lines used within
+// microseconds). An asm statement on x86: GCC 12 deletes loops of
+// __builtin_prefetch once they are inlined into the kernels (a loop with no
+// other effect), so the prefetches the kernels asked for were never issued.
+template <bool kIntoL1>
+inline void prefetch_line(const void* p) {
 #if defined(__x86_64__)
-  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
+  if constexpr (kIntoL1) {
+    asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
+  } else {
+    asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
+  }
 #else
-  __builtin_prefetch(p, 0, 2);
+  __builtin_prefetch(p, 0, kIntoL1 ? 3 : 2);
 #endif
 }
 
-// Cache lines to bring into L2 a few at a time, spread over the work that
+// Cache lines to bring into the caches a few at a time, spread over the work that
 // comes before their use. A burst of more prefetches than the core has line
 // fill buffers (16 on current x86 cores) stalls it until lines arrive: the
 // transfer is then serialised with the compute it was meant to overlap. In
@@ -224,6 +230,14 @@ inline void prefetch_to_l2(const void* p) {
 // between the reads of this one.
 class PrefetchQueue {
  public:
+  // into_l1: lines come into L1 too. Decoding streams K/V from memory with
+  // little compute per byte: on Zen 3 (2 threads) its K/V came 15–20%
+  // faster with prefetcht0 than with prefetcht1 (one query over a 32k GQA
+  // cache: 40.7 -> 30.2 ms), as in the model loop of
+  // benchmarks/decode_memory_bound.cpp. The forward's prefetches (a block
+  // ahead, beside the GEMMs' own L1 tiles) stay in L2: BERT-base was 4%
+  // slower with prefetcht0.
+  explicit PrefetchQueue(bool into_l1 = false) : into_l1_(into_l1) {}
   // rows rows of `bytes` bytes each, `stride` bytes apart, from first.
   void add(const void* first, int64_t stride, int64_t rows, int64_t bytes) {
     if (rows <= 0 || bytes <= 0) return;
@@ -248,7 +262,11 @@ class PrefetchQueue {
         r.line = r.row & ~uintptr_t(63);
         r.end = r.row + r.bytes;
       }
-      prefetch_to_l2(reinterpret_cast<const void*>(r.line));
+      if (into_l1_) {
+        prefetch_line</*kIntoL1=*/true>(reinterpret_cast<const void*>(r.line));
+      } else {
+        prefetch_line</*kIntoL1=*/false>(reinterpret_cast<const void*>(r.line));
+      }
       r.line += 64;
       --n;
       --lines_;
@@ -266,6 +284,7 @@ class PrefetchQueue {
   Region regions_[kMaxRegions];
   int count_ = 0, next_ = 0;
   int64_t lines_ = 0, burst_ = 8;
+  bool into_l1_;
 };
 
 // max(x, y), or y where x is NaN: one instruction (max_ps returns its
@@ -287,7 +306,7 @@ Vectorized<acc_t> max_of_numbers(const Vectorized<acc_t>& x, const Vectorized<ac
 // 128-bit lane holding 4 rows of one column, then the lanes of each group
 // of four vectors transposed. (ATen's transpose_mxn for runtime sizes goes
 // through the stack with memcpy, at several times the cost.)
-inline void transpose_16x16(const float* src, int64_t ld, float* dst) {
+inline void transpose_16x16(const float* src, int64_t ld, float* dst, int64_t ldd = 16) {
   __m512 r[16], t[16];
   for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * ld);
   for (int k = 0; k < 8; ++k) {
@@ -309,10 +328,10 @@ inline void transpose_16x16(const float* src, int64_t ld, float* dst) {
     const __m512 p1 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xEE);
     const __m512 p2 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x44);
     const __m512 p3 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xEE);
-    _mm512_storeu_ps(dst + c * 16, _mm512_shuffle_f32x4(p0, p2, 0x88));
-    _mm512_storeu_ps(dst + (4 + c) * 16, _mm512_shuffle_f32x4(p0, p2, 0xDD));
-    _mm512_storeu_ps(dst + (8 + c) * 16, _mm512_shuffle_f32x4(p1, p3, 0x88));
-    _mm512_storeu_ps(dst + (12 + c) * 16, _mm512_shuffle_f32x4(p1, p3, 0xDD));
+    _mm512_storeu_ps(dst + c * ldd, _mm512_shuffle_f32x4(p0, p2, 0x88));
+    _mm512_storeu_ps(dst + (4 + c) * ldd, _mm512_shuffle_f32x4(p0, p2, 0xDD));
+    _mm512_storeu_ps(dst + (8 + c) * ldd, _mm512_shuffle_f32x4(p1, p3, 0x88));
+    _mm512_storeu_ps(dst + (12 + c) * ldd, _mm512_shuffle_f32x4(p1, p3, 0xDD));
   }
 }
 #endif
@@ -324,7 +343,7 @@ inline void transpose_16x16(const float* src, int64_t ld, float* dst) {
 // rows 0–3 and 4–7 joined. (Our own, in this file's anonymous namespace:
 // ATen's transpose_mxn, when the compiler keeps it out of line, is a weak
 // symbol the linker could share with code built for another ISA level.)
-inline void transpose_8x8(const float* src, int64_t ld, float* dst) {
+inline void transpose_8x8(const float* src, int64_t ld, float* dst, int64_t ldd = 8) {
   __m256 r[8], t[8];
   for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * ld);
   for (int k = 0; k < 4; ++k) {
@@ -339,8 +358,8 @@ inline void transpose_8x8(const float* src, int64_t ld, float* dst) {
     r[4 * m + 3] = _mm256_shuffle_ps(t[4 * m + 1], t[4 * m + 3], 0xEE);
   }
   for (int c = 0; c < 4; ++c) {
-    _mm256_storeu_ps(dst + c * 8, _mm256_permute2f128_ps(r[c], r[4 + c], 0x20));
-    _mm256_storeu_ps(dst + (c + 4) * 8, _mm256_permute2f128_ps(r[c], r[4 + c], 0x31));
+    _mm256_storeu_ps(dst + c * ldd, _mm256_permute2f128_ps(r[c], r[4 + c], 0x20));
+    _mm256_storeu_ps(dst + (c + 4) * ldd, _mm256_permute2f128_ps(r[c], r[4 + c], 0x31));
   }
 }
 #endif
@@ -831,14 +850,12 @@ class TileReader {
   void transpose_keys(const acc_t* k, int64_t ldk, int64_t cols, int64_t dim, acc_t* kt,
                       PrefetchQueue* prefetch = nullptr) const {
     const int64_t ldt = round_up(cols, w);
-    acc_t block[w * w];
     int64_t j0 = 0;
     for (; j0 + w <= cols; j0 += w) {
       int64_t e0 = 0;
       for (; e0 + w <= dim; e0 += w) {
         if (prefetch) prefetch->issue();
-        transpose_block(k + j0 * ldk + e0, ldk, block);
-        for (int64_t e = 0; e < w; ++e) Vec::loadu(block + e * w).store(kt + (e0 + e) * ldt + j0);
+        transpose_block(k + j0 * ldk + e0, ldk, kt + e0 * ldt + j0, ldt);
       }
       for (; e0 < dim; ++e0) {
         for (int64_t j = 0; j < w; ++j) kt[e0 * ldt + j0 + j] = k[(j0 + j) * ldk + e0];
@@ -1151,15 +1168,16 @@ class TileReader {
     }
   }
 
-  // dst[w × w] = transpose of the w × w block at src (leading dim ld).
-  static void transpose_block(const acc_t* src, int64_t ld, acc_t* dst) {
+  // The transpose of the w × w block at src (rows ld apart) into dst's rows
+  // (ldd apart).
+  static void transpose_block(const acc_t* src, int64_t ld, acc_t* dst, int64_t ldd = w) {
 #if defined(CPU_CAPABILITY_AVX2)
-    if constexpr (std::is_same_v<acc_t, float>) return transpose_8x8(src, ld, dst);
+    if constexpr (std::is_same_v<acc_t, float>) return transpose_8x8(src, ld, dst, ldd);
 #elif defined(CPU_CAPABILITY_AVX512)
-    if constexpr (std::is_same_v<acc_t, float>) return transpose_16x16(src, ld, dst);
+    if constexpr (std::is_same_v<acc_t, float>) return transpose_16x16(src, ld, dst, ldd);
 #endif
     for (int64_t i = 0; i < w; ++i) {
-      for (int64_t j = 0; j < w; ++j) dst[j * w + i] = src[i * ld + j];
+      for (int64_t j = 0; j < w; ++j) dst[j * ldd + i] = src[i * ld + j];
     }
   }
 

@@ -1,0 +1,155 @@
+// A bound for decoding on this machine: how fast can a CPU core read a
+// grouped-query K/V cache the way the decode kernel walks it, with no more
+// arithmetic than decoding must do? No fusedmha code: plain loops, so the
+// figures measure the memory system, not our kernel.
+//
+// The cache is (H_kv, S, E) float32 K and V (H_kv = 8, S = 32768, E = 128:
+// 256 MiB, far past the caches). Each thread takes a contiguous share of the
+// keys and walks it as the kernel does: key blocks of 64, and within each
+// block every head's K rows, then its V rows (32 KiB each). Rows:
+//  - "plain read": the buffers summed front to back (the hardware
+//    prefetchers' best case);
+//  - "blocks": the kernel's order, loads only;
+//  - "blocks + FMAs": the same, plus the fewest FMAs decoding needs for a
+//    group of 4 query heads per K/V head (4·E per key for the scores and
+//    4·E per key for P·V: 4096 8-wide FMAs per head's block), as independent
+//    chains, with the next (head, block)'s K/V prefetched a line at a time
+//    over those FMAs: not at all, with prefetcht0, or with prefetcht1.
+// The last rows bound what any decode kernel of this shape reaches here.
+//
+//   g++ -O2 -mavx2 -mfma -pthread benchmarks/decode_memory_bound.cpp -o /tmp/decode_bound
+//   /tmp/decode_bound [threads...]      (default: 1 2)
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <thread>
+#include <vector>
+
+namespace {
+
+constexpr long kHeads = 8, kKeys = 32768, kDim = 128, kBlock = 64;
+constexpr long kLinesPerSide = kBlock * kDim * 4 / 64;  // one head's K (or V) block
+constexpr int kFmaSteps = 4096 / 12;  // 12 independent chains: 4096 FMAs per (head, block)
+
+enum class Prefetch { None, T0, T1 };
+
+struct Walk {
+  const float* k;
+  const float* v;
+};
+
+float sink_value;
+
+// Sums a head's block of rows (kBlock rows of kDim floats).
+__m256 read_block(const float* p, __m256 acc) {
+  for (long i = 0; i < kBlock * kDim; i += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(p + i));
+  return acc;
+}
+
+template <Prefetch kPrefetch>
+void prefetch_line(const float* p) {
+  if constexpr (kPrefetch == Prefetch::T0) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+  if constexpr (kPrefetch == Prefetch::T1) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1);
+}
+
+// Keys [k0, k1) in the kernel's order; with_fmas adds the decode FMAs and
+// the prefetches of the next (head, block).
+template <Prefetch kPrefetch>
+void walk(const float* k, const float* v, long k0, long k1, bool with_fmas) {
+  std::vector<Walk> order;
+  for (long b = k0; b < k1; b += kBlock) {
+    for (long h = 0; h < kHeads; ++h) order.push_back({k + (h * kKeys + b) * kDim, v + (h * kKeys + b) * kDim});
+  }
+  __m256 acc = _mm256_setzero_ps(), chains[12];
+  for (auto& c : chains) c = _mm256_set1_ps(1e-7f);
+  const __m256 factor = _mm256_set1_ps(0.999f);
+  for (size_t i = 0; i < order.size(); ++i) {
+    acc = read_block(order[i].k, acc);
+    acc = read_block(order[i].v, acc);
+    if (!with_fmas) continue;
+    const bool ahead = kPrefetch != Prefetch::None && i + 1 < order.size();
+    long issued = 0;
+    for (int s = 0; s < kFmaSteps; ++s) {
+      for (auto& c : chains) c = _mm256_fmadd_ps(c, factor, c);
+      // (the next block's 2 × kLinesPerSide lines, spread evenly)
+      for (const long due = (s + 1) * 2 * kLinesPerSide / kFmaSteps; ahead && issued < due; ++issued) {
+        const float* side = issued < kLinesPerSide ? order[i + 1].k : order[i + 1].v;
+        prefetch_line<kPrefetch>(side + (issued % kLinesPerSide) * 16);
+      }
+    }
+  }
+  for (auto& c : chains) acc = _mm256_add_ps(acc, c);
+  float out[8];
+  _mm256_storeu_ps(out, acc);
+  sink_value += out[0];
+}
+
+void plain_read(const float* k, const float* v, long k0, long k1) {
+  __m256 a = _mm256_setzero_ps(), b = a;
+  for (long h = 0; h < kHeads; ++h) {
+    for (const float* base : {k, v}) {
+      const float* p = base + (h * kKeys + k0) * kDim;
+      for (long i = 0; i < (k1 - k0) * kDim; i += 16) {
+        a = _mm256_add_ps(a, _mm256_loadu_ps(p + i));
+        b = _mm256_add_ps(b, _mm256_loadu_ps(p + i + 8));
+      }
+    }
+  }
+  float out[8];
+  _mm256_storeu_ps(out, _mm256_add_ps(a, b));
+  sink_value += out[0];
+}
+
+// GB/s of K/V read when `threads` threads each run body over their share
+// of the keys (the slowest thread's time; best of 3).
+template <typename Body>
+double gbps(int threads, const Body& body) {
+  double best = 1e30;
+  for (int rep = 0; rep < 3; ++rep) {
+    std::vector<std::thread> pool;
+    std::vector<double> seconds(threads);
+    for (int t = 0; t < threads; ++t) {
+      pool.emplace_back([&, t] {
+        const long share = kKeys / threads / kBlock * kBlock;
+        const auto start = std::chrono::steady_clock::now();
+        body(t * share, (t + 1) * share);
+        seconds[t] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      });
+    }
+    for (auto& th : pool) th.join();
+    best = std::min(best, *std::max_element(seconds.begin(), seconds.end()));
+  }
+  const long share = kKeys / threads / kBlock * kBlock;
+  return 2.0 * kHeads * share * threads * kDim * 4 / best / 1e9;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<int> thread_counts;
+  for (int i = 1; i < argc; ++i) thread_counts.push_back(std::atoi(argv[i]));
+  if (thread_counts.empty()) thread_counts = {1, 2};
+  const size_t n = kHeads * kKeys * kDim;
+  auto* k = static_cast<float*>(std::aligned_alloc(64, n * 4));
+  auto* v = static_cast<float*>(std::aligned_alloc(64, n * 4));
+  for (size_t i = 0; i < n; ++i) k[i] = v[i] = 1e-6f * static_cast<float>(i % 7);
+  std::printf("K/V cache (H_kv=%ld, S=%ld, E=%ld) float32, %ld MiB; GB/s of K/V read\n", kHeads, kKeys,
+              kDim, 2 * n * 4 >> 20);
+  std::printf("%8s %11s %8s %22s %22s %22s\n", "threads", "plain read", "blocks", "blocks + FMAs, no pf",
+              "+ FMAs, prefetcht0", "+ FMAs, prefetcht1");
+  for (int threads : thread_counts) {
+    const double plain = gbps(threads, [&](long a, long b) { plain_read(k, v, a, b); });
+    const double blocks = gbps(threads, [&](long a, long b) { walk<Prefetch::None>(k, v, a, b, false); });
+    const double none = gbps(threads, [&](long a, long b) { walk<Prefetch::None>(k, v, a, b, true); });
+    const double t0 = gbps(threads, [&](long a, long b) { walk<Prefetch::T0>(k, v, a, b, true); });
+    const double t1 = gbps(threads, [&](long a, long b) { walk<Prefetch::T1>(k, v, a, b, true); });
+    std::printf("%8d %11.1f %8.1f %22.1f %22.1f %22.1f\n", threads, plain, blocks, none, t0, t1);
+  }
+  std::free(k);
+  std::free(v);
+  return sink_value == 12345.0f;  // (keeps the sums alive)
+}
