@@ -64,9 +64,9 @@ struct ForwardWorkspace {
   acc_t* terms;  // bkv × bq    mask terms shared by the item's heads (split.heads > 1), by panel
   acc_t* dm;     // bkv × nr    dropout factors of a panel (when dropout is on)
   // Per head of the item (head_floats each): its scaled queries (Qᵀ in
-  // panels of nr queries, or rows when the block has few rows), then the
-  // running max m, sum l and rescale factor alpha (bq each), then the
-  // unnormalised output o (rows × dv). Decoding keeps kFewRows rows.
+  // panels of nr queries), then the running max m, sum l and rescale factor
+  // alpha (bq each), then the unnormalised output o (rows × dv). Decoding
+  // keeps one panel (at most kFewRows queries).
   acc_t* heads_state;
   int64_t dv;    // Ev padded to the panel width
   int64_t state_rows;  // query rows a head's state holds
@@ -75,7 +75,7 @@ struct ForwardWorkspace {
     constexpr int64_t nr = panel_width<acc_t>(), w = Vectorized<acc_t>::size();
     const int64_t bq = split.block_q, bkv = split.block_kv;
     dv = round_up(p.dim_v, nr);
-    state_rows = split.decode ? kFewRows : bq;
+    state_rows = split.decode ? nr : bq;
     st = arena.take(bkv * nr);
     k = arena.take(bkv * round_up(p.dim_qk, nr));
     kt = arena.take(round_up(bkv, w) * p.dim_qk);
@@ -121,11 +121,7 @@ class ForwardKernel {
     const bool keys_transposed = !few_rows && bq >= kTransposedKeysRows;
     const acc_t scale = static_cast<acc_t>(p_.scale);
     for (int64_t h = 0; h < heads; ++h) {
-      if (few_rows) {
-        tiles_.pack_rows(p_.q, o0 + h, q0, rows, p_.dim_qk, scale, head_rows(h, bq));
-      } else {
-        tiles_.pack_transposed(p_.q, o0 + h, q0, rows, bq, p_.dim_qk, scale, head_rows(h, bq));
-      }
+      tiles_.pack_transposed(p_.q, o0 + h, q0, rows, bq, p_.dim_qk, scale, head_rows(h, bq));
       start_rows(o0 + h, rows, bq, /*with_sink=*/true, head_state(h, bq));
     }
 
@@ -214,8 +210,8 @@ class ForwardKernel {
     for (int64_t h = 0; h < heads; ++h) {
       const RowState<acc_t> st = head_state(h, bq);
       if (rows > 0) {
-        tiles_.pack_rows(p_.q, o0 + h, 0, rows, p_.dim_qk, static_cast<acc_t>(p_.scale),
-                         head_rows(h, bq));
+        tiles_.pack_transposed(p_.q, o0 + h, 0, rows, bq, p_.dim_qk,
+                               static_cast<acc_t>(p_.scale), head_rows(h, bq));
       }
       start_rows(o0 + h, rows, bq, /*with_sink=*/chunk == 0, st);  // (one chunk has the sink)
     }
@@ -296,8 +292,8 @@ class ForwardKernel {
 
  private:
   // Decoding: queues the keys and values of the (head, key block) after
-  // head h's block at k0, paced over the bursts that h's block issues (one
-  // per w × w transpose of its keys and per micro-kernel call of its P·V).
+  // head h's block at k0, paced over the bursts that h's block issues (those
+  // of its scores, few_row_bursts, and one per micro-kernel call of its P·V).
   void queue_next_head_block(int64_t h, int64_t k0, int64_t kv_end, int64_t rows, int64_t o0) {
     const bool last_head = h + 1 == split_.heads;
     const int64_t next_k0 = last_head ? k0 + split_.block_kv : k0;
@@ -306,7 +302,7 @@ class ForwardKernel {
     const int64_t o = last_head ? o0 : o0 + h + 1;
     tiles_.queue_key_rows(prefetch_, Tiles::KeySide::K, o, next_k0, cols, p_.dim_qk);
     tiles_.queue_key_rows(prefetch_, Tiles::KeySide::V, o, next_k0, cols, p_.dim_v);
-    prefetch_.pace(cols / w * (p_.dim_qk / w) + ws_.dv / nr * div_up(rows, kMicroRows));
+    prefetch_.pace(tiles_.few_row_bursts(cols, rows) + ws_.dv / nr * div_up(rows, kMicroRows));
   }
 
   // Item i's first outer index and first query row.

@@ -381,25 +381,27 @@ struct SoftcapEpilogue {
   }
 };
 
-// c[M × 2 vectors] (+)= a[M × n] · b[n × 2 vectors], b's row t at b + t·b_step,
-// each result vector passed through the epilogue ep before it is stored.
+// c[M × kVectors vectors] (+)= a[M × n] · b[n × kVectors vectors], b's row t
+// at b + t·b_step, each result vector passed through the epilogue ep before
+// it is stored. (kVectors = 1: few query lanes, few_row_scores.)
 // The a operand comes two ways, both read in place:
 //  - kRowsOfA: row i of a is a + i·lda (e.g. Sᵀ = K·Qᵀ with a = rows of K)
 //  - otherwise a is given by its columns: element (i, t) at a[t·lda + i]
 //    (e.g. O += P·V with P held as Pᵀ).
 // Always inlined: compiled out of line, GCC keeps the accumulator arrays in
 // memory (a store per FMA pair) instead of registers.
-template <typename acc_t, int64_t M, bool kRowsOfA, bool kAccumulate, typename Epilogue>
+template <typename acc_t, int64_t M, bool kRowsOfA, bool kAccumulate, typename Epilogue,
+          int kVectors = 2>
 __attribute__((always_inline)) inline void microkernel(const acc_t* a, int64_t lda, const acc_t* b,
                                                        int64_t b_step, int64_t n, acc_t* c,
                                                        int64_t ldc, const Epilogue& ep) {
   using Vec = Vectorized<acc_t>;
   constexpr int64_t w = Vec::size();
-  Vec c0[M], c1[M];
+  Vec c0[M], c1[kVectors == 2 ? M : 1];
 #pragma GCC unroll 16
   for (int64_t i = 0; i < M; ++i) {
     c0[i] = kAccumulate ? Vec::loadu(c + i * ldc) : Vec(acc_t(0));
-    c1[i] = kAccumulate ? Vec::loadu(c + i * ldc + w) : Vec(acc_t(0));
+    if constexpr (kVectors == 2) c1[i] = kAccumulate ? Vec::loadu(c + i * ldc + w) : Vec(acc_t(0));
   }
   if constexpr (kRowsOfA) {
     // Row i of a is read at rows[i / 4] + {0, 1, 2, 3}[i % 4]·lda: three
@@ -414,14 +416,14 @@ __attribute__((always_inline)) inline void microkernel(const acc_t* a, int64_t l
     const int64_t lda3 = 3 * lda;
     for (int64_t t = 0; t < n; ++t) {
       const Vec b0 = Vec::loadu(b + t * b_step);
-      const Vec b1 = Vec::loadu(b + t * b_step + w);
-#pragma GCC unroll 16
+      const Vec b1 = kVectors == 2 ? Vec::loadu(b + t * b_step + w) : b0;
+#pragma GCC unroll 32
       for (int64_t i = 0; i < M; ++i) {
         const acc_t* row = rows[i / 4];
         const int64_t step = i % 4 == 3 ? lda3 : (i % 4) * lda;
         const Vec x(row[step]);
         c0[i] = at::vec::fmadd(x, b0, c0[i]);
-        c1[i] = at::vec::fmadd(x, b1, c1[i]);
+        if constexpr (kVectors == 2) c1[i] = at::vec::fmadd(x, b1, c1[i]);
       }
 #pragma GCC unroll 4
       for (int64_t r = 0; r < kBases; ++r) {
@@ -432,34 +434,35 @@ __attribute__((always_inline)) inline void microkernel(const acc_t* a, int64_t l
   } else {
     for (int64_t t = 0; t < n; ++t) {
       const Vec b0 = Vec::loadu(b + t * b_step);
-      const Vec b1 = Vec::loadu(b + t * b_step + w);
-#pragma GCC unroll 16
+      const Vec b1 = kVectors == 2 ? Vec::loadu(b + t * b_step + w) : b0;
+#pragma GCC unroll 32
       for (int64_t i = 0; i < M; ++i) {
         const Vec x(a[t * lda + i]);
         c0[i] = at::vec::fmadd(x, b0, c0[i]);
-        c1[i] = at::vec::fmadd(x, b1, c1[i]);
+        if constexpr (kVectors == 2) c1[i] = at::vec::fmadd(x, b1, c1[i]);
       }
     }
   }
-#pragma GCC unroll 16
+#pragma GCC unroll 32
   for (int64_t i = 0; i < M; ++i) {
     ep(c0[i]).store(c + i * ldc);
-    ep(c1[i]).store(c + i * ldc + w);
+    if constexpr (kVectors == 2) ep(c1[i]).store(c + i * ldc + w);
   }
 }
 
 // The same for any row count m <= kMicroRows (the tail of a block).
 template <typename acc_t, bool kRowsOfA, bool kAccumulate, typename Epilogue,
-          int64_t M = kMicroRows>
+          int64_t M = kMicroRows, int kVectors = 2>
 inline void microkernel_rows(int64_t m, const acc_t* a, int64_t lda, const acc_t* b,
                              int64_t b_step, int64_t n, acc_t* c, int64_t ldc,
                              const Epilogue& ep) {
   if constexpr (M > 0) {
     if (m == M) {
-      return microkernel<acc_t, M, kRowsOfA, kAccumulate>(a, lda, b, b_step, n, c, ldc, ep);
+      return microkernel<acc_t, M, kRowsOfA, kAccumulate, Epilogue, kVectors>(a, lda, b, b_step,
+                                                                             n, c, ldc, ep);
     }
-    return microkernel_rows<acc_t, kRowsOfA, kAccumulate, Epilogue, M - 1>(m, a, lda, b, b_step,
-                                                                           n, c, ldc, ep);
+    return microkernel_rows<acc_t, kRowsOfA, kAccumulate, Epilogue, M - 1, kVectors>(
+        m, a, lda, b, b_step, n, c, ldc, ep);
   }
 }
 
@@ -765,41 +768,77 @@ class TileReader {
     queue.add(key_rows(side, o, k0), key_matrix(side).row_stride * size, cols, dim * size);
   }
 
-  // Rows r0..r0+rows of t times scale, as dense acc_t rows of dim (few_row_scores' qr).
-  void pack_rows(const Matrix& t, int64_t o, int64_t r0, int64_t rows, int64_t dim, acc_t scale,
-                 acc_t* dst) const {
-    const scalar_t* first = start(t, o) + r0 * t.row_stride;
-    for (int64_t i = 0; i < rows; ++i) {
-      for (int64_t e = 0; e < dim; ++e) dst[i * dim + e] = static_cast<acc_t>(first[i * t.row_stride + e]) * scale;
-    }
-  }
-
   // Sᵀ as scores() computes it (no softcap), bit for bit, for a block of
   // few query rows (decoding: one row per head, or the G heads of a K/V
-  // head): the key block transposed into kt (transpose_keys), then each
-  // row's scores a vector of keys at a time, accumulated along the head dim
-  // one FMA per dim in the score GEMM's order. So the work is rows·cols·dim,
-  // not the panel width's (query lanes padded to 2 vectors would multiply it
-  // by up to 2·w / rows), and these scores equal the ones the backward and
-  // the weights pass recompute with the GEMM: with scores of 1e30, one ulp
-  // of difference (dot products summed across lanes) was a factor of
-  // e^(±1e23) in their exp(s − lse). qr holds the rows (pack_rows); lanes
-  // rows..bq of st get 0.
-  void few_row_scores(const acc_t* k, int64_t ldk, int64_t cols, const acc_t* qr, int64_t rows,
+  // head), each score accumulated along the head dim one FMA per dim in the
+  // score GEMM's order. So these scores equal the ones the backward and the
+  // weights pass recompute with the GEMM: with scores of 1e30, one ulp of
+  // difference (dot products summed across lanes) was a factor of e^(±1e23)
+  // in their exp(s − lse). qt holds the rows as one panel of nr query lanes
+  // (pack_transposed); lanes rows..bq of st get 0. Two ways, by the rows:
+  //  - half a vector to one (the G = 4 heads of a GQA group in 8 float
+  //    lanes): lane_scores, the GEMM itself with one vector of query lanes;
+  //  - fewer (one query per head) or more: the key block transposed into
+  //    kt (transpose_keys), then each row's scores a vector of keys at a
+  //    time, so the FMAs are rows·cols·dim, not cols·dim·(the lanes' count)
+  //    / w. (With 4 rows in 8 lanes, the transposes cost about what the
+  //    wasted lanes do; lane_scores writes no kt, and decoding's 32k GQA
+  //    cache read 3–13% faster with it, alternating on Zen 3.)
+  void few_row_scores(const acc_t* k, int64_t ldk, int64_t cols, const acc_t* qt, int64_t rows,
                       int64_t bq, acc_t* st, acc_t* kt, PrefetchQueue* prefetch = nullptr) const {
+    if (2 * rows >= w && rows <= w) return lane_scores(k, ldk, cols, qt, bq, st, prefetch);
     const int64_t d = p_.dim_qk, ldt = round_up(cols, w);
     transpose_keys(k, ldk, cols, d, kt, prefetch);
     for (int64_t j = 0; j < cols * bq; j += w) Vec(acc_t(0)).store(st + j);
     for (int64_t j0 = 0; j0 < cols; j0 += 2 * w) {
       int64_t i = 0;
       if (j0 + w < cols) {
-        for (; i + 4 <= rows; i += 4) row_scores<4, 2>(kt, ldt, j0, cols, qr, i, bq, st);
-        for (; i < rows; ++i) row_scores<1, 2>(kt, ldt, j0, cols, qr, i, bq, st);
+        for (; i + 4 <= rows; i += 4) row_scores<4, 2>(kt, ldt, j0, cols, qt, i, bq, st);
+        for (; i < rows; ++i) row_scores<1, 2>(kt, ldt, j0, cols, qt, i, bq, st);
       } else {
-        for (; i + 4 <= rows; i += 4) row_scores<4, 1>(kt, ldt, j0, cols, qr, i, bq, st);
-        for (; i < rows; ++i) row_scores<1, 1>(kt, ldt, j0, cols, qr, i, bq, st);
+        for (; i + 4 <= rows; i += 4) row_scores<4, 1>(kt, ldt, j0, cols, qt, i, bq, st);
+        for (; i < rows; ++i) row_scores<1, 1>(kt, ldt, j0, cols, qt, i, bq, st);
       }
     }
+  }
+
+  // few_row_scores for rows <= w: Sᵀ = K·Qᵀ by micro-kernels over kLaneKeys
+  // keys and one vector of query lanes (as the score GEMM, which takes two),
+  // reading the keys in place: no transpose, and nothing written but st.
+  // The head dim goes in steps of kLaneSteps (each step's sums kept in st,
+  // exact), with a prefetch burst before each: decoding's next K/V block
+  // streams in evenly over this block's work.
+  static constexpr int64_t kLaneKeys = 8;  // chains: FMA latency × ports on current x86
+  static constexpr int64_t kLaneSteps = 16;
+  __attribute__((noinline)) void lane_scores(const acc_t* k, int64_t ldk, int64_t cols,
+                                             const acc_t* qt, int64_t bq, acc_t* st,
+                                             PrefetchQueue* prefetch) const {
+    const int64_t d = p_.dim_qk;
+    for (int64_t j = 0; j < cols; j += kLaneKeys) {
+      const int64_t m = std::min(kLaneKeys, cols - j);
+      const acc_t* kj = k + j * ldk;
+      acc_t* sj = st + j * bq;
+      for (int64_t e = 0; e < d; e += kLaneSteps) {
+        if (prefetch) prefetch->issue();
+        const int64_t n = std::min(kLaneSteps, d - e);
+        if (e == 0) {
+          microkernel_rows<acc_t, /*kRowsOfA=*/true, /*kAccumulate=*/false, NoEpilogue, kLaneKeys,
+                           1>(m, kj, ldk, qt, nr, n, sj, bq, NoEpilogue{});
+        } else {
+          microkernel_rows<acc_t, /*kRowsOfA=*/true, /*kAccumulate=*/true, NoEpilogue, kLaneKeys,
+                           1>(m, kj + e, ldk, qt + e * nr, nr, n, sj, bq, NoEpilogue{});
+        }
+      }
+    }
+    for (int64_t j = 0; j < cols; ++j) {
+      for (int64_t c = w; c < bq; c += w) Vec(acc_t(0)).store(st + j * bq + c);
+    }
+  }
+
+  // The bursts of prefetches few_row_scores issues over cols keys of rows rows.
+  int64_t few_row_bursts(int64_t cols, int64_t rows) const {
+    if (2 * rows >= w && rows <= w) return div_up(cols, kLaneKeys) * div_up(p_.dim_qk, kLaneSteps);
+    return div_up(cols, w) * (p_.dim_qk / w);
   }
 
   // few_row_scores' scores of rows i..i+R and keys j0..j0+V·w (those below
@@ -807,10 +846,10 @@ class TileReader {
   // the decoding loop, GCC stored every accumulator to the stack each step.
   template <int R, int V>
   __attribute__((noinline)) void row_scores(const acc_t* kt, int64_t ldt, int64_t j0,
-                                            int64_t cols, const acc_t* qr, int64_t i,
+                                            int64_t cols, const acc_t* qt, int64_t i,
                                             int64_t bq, acc_t* st) const {
     const int64_t d = p_.dim_qk;
-    const acc_t* q = qr + i * d;
+    const acc_t* q = qt + i;  // (row i + r, dim e at q[e·nr + r])
     Vec a[R * V];
 #pragma GCC unroll 8
     for (int t = 0; t < R * V; ++t) a[t] = Vec(acc_t(0));
@@ -820,7 +859,7 @@ class TileReader {
       for (int v = 0; v < V; ++v) k[v] = Vec::loadu(kt + e * ldt + j0 + v * w);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
-        const Vec x(q[r * d + e]);
+        const Vec x(q[e * nr + r]);
 #pragma GCC unroll 2
         for (int v = 0; v < V; ++v) a[r * V + v] = at::vec::fmadd(k[v], x, a[r * V + v]);
       }
