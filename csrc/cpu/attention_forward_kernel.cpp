@@ -565,6 +565,21 @@ bool long_block_fits(const AttentionParams& p) {
   return static_cast<int64_t>(sizeof(acc_t)) * (state + key_block) <= l2_cache_bytes();
 }
 
+// Decoding's key blocks: as many keys (a multiple of 8, at most kBlockKV)
+// as keep a (head, block)'s K and V within L1d, where the kernel prefetches
+// them. In a (B, S, H_kv, E) cache a head's rows are often 4 KiB apart, all
+// in the same L1 sets, and larger blocks are evicted before their use. On
+// Zen 3 (32 KiB L1d; E=128 fp32, 32k GQA cache, interleaved in one
+// process): 32-key blocks read that layout 4–13% faster than 64, and
+// (B, H_kv, S, E) as fast; 16-key blocks were no faster than 32 there and
+// up to 5% slower on (B, H_kv, S, E).
+template <typename acc_t>
+int64_t decode_block(const AttentionParams& p) {
+  const int64_t key_bytes = static_cast<int64_t>(sizeof(acc_t)) * (p.dim_qk + p.dim_v);
+  const int64_t keys = l1d_cache_bytes() / std::max<int64_t>(key_bytes, 1) / 8 * 8;
+  return std::clamp<int64_t>(keys, 8, kBlockKV);
+}
+
 template <typename acc_t>
 WorkSplit configure(const AttentionParams& p, int64_t threads) {
   constexpr int64_t nr = panel_width<acc_t>();
@@ -584,6 +599,7 @@ WorkSplit configure(const AttentionParams& p, int64_t threads) {
   if (p.len_q > 0 && p.len_q <= kFewRows && p.softcap == 0 && !p.dropout.on() &&
       p.len_kv >= kMinChunkBlocks * split.block_kv) {
     split.decode = true;
+    split.block_kv = paged_block(p, decode_block<acc_t>(p));
     // The heads of a sequence (packed batches), else of the last outer dim.
     split.heads = p.seq.on() ? p.seq.heads : (p.outer.dims ? p.outer.size[p.outer.dims - 1] : 1);
     const int64_t groups = p.num_outer / split.heads;

@@ -105,21 +105,38 @@ IsaKernels selected_kernels() {
 #undef FUSEDMHA_KERNELS
 }
 
-int64_t l2_cache_bytes() {
-  static const int64_t bytes = [] {
-#ifdef _SC_LEVEL2_CACHE_SIZE
-    const long size = sysconf(_SC_LEVEL2_CACHE_SIZE);
-    if (size > 0) return static_cast<int64_t>(size);
+namespace {
+
+// A data cache's size per core: glibc's sysconf, else sysfs (Linux without
+// glibc's cache sysconf: e.g. "512K" in cpu0/cache/<index>/size), else
+// fallback.
+int64_t cache_bytes(long sysconf_size, const char* sysfs_index, int64_t fallback) {
+  if (sysconf_size > 0) return static_cast<int64_t>(sysconf_size);
+  std::ifstream file(std::string("/sys/devices/system/cpu/cpu0/cache/") + sysfs_index + "/size");
+  int64_t kib = 0;
+  std::string unit;
+  if (file >> kib >> unit && kib > 0 && unit == "K") return kib * 1024;
+  return fallback;
+}
+
+}  // namespace
+
+int64_t l1d_cache_bytes() {
+#ifdef _SC_LEVEL1_DCACHE_SIZE
+  static const int64_t bytes = cache_bytes(sysconf(_SC_LEVEL1_DCACHE_SIZE), "index0", 32 << 10);
+#else
+  static const int64_t bytes = cache_bytes(0, "index0", 32 << 10);
 #endif
-    // Linux without glibc's cache sysconf: sysfs, e.g. "512K".
-    std::ifstream file("/sys/devices/system/cpu/cpu0/cache/index2/size");
-    int64_t kib = 0;
-    std::string unit;
-    if (file >> kib >> unit && kib > 0 && unit == "K") return kib * 1024;
-    return static_cast<int64_t>(1) << 20;
-  }();
   return bytes;
 }
 
+int64_t l2_cache_bytes() {
+#ifdef _SC_LEVEL2_CACHE_SIZE
+  static const int64_t bytes = cache_bytes(sysconf(_SC_LEVEL2_CACHE_SIZE), "index2", 1 << 20);
+#else
+  static const int64_t bytes = cache_bytes(0, "index2", 1 << 20);
+#endif
+  return bytes;
+}
 
 }  // namespace fusedmha::cpu

@@ -82,5 +82,8 @@ IsaKernels selected_kernels();
 // This CPU's L2 cache per core, in bytes (1 MiB where the system does not
 // say), read once: the forward kernel sizes its query blocks by it.
 int64_t l2_cache_bytes();
+// Its L1 data cache per core (32 KiB where the system does not say): the
+// forward kernel sizes decoding's key blocks by it.
+int64_t l1d_cache_bytes();
 
 }  // namespace fusedmha::cpu
