@@ -814,6 +814,10 @@ class TileReader {
                                              const acc_t* qt, int64_t bq, acc_t* st,
                                              PrefetchQueue* prefetch) const {
     const int64_t d = p_.dim_qk;
+    if (d == 0) {  // no head dim: every score is 0 (and no step below writes st)
+      for (int64_t j = 0; j < cols * bq; j += w) Vec(acc_t(0)).store(st + j);
+      return;
+    }
     for (int64_t j = 0; j < cols; j += kLaneKeys) {
       const int64_t m = std::min(kLaneKeys, cols - j);
       const acc_t* kj = k + j * ldk;

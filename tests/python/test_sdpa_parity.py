@@ -76,6 +76,22 @@ def test_empty_keys_give_zero(rand):
     assert torch.equal(out, torch.zeros_like(out))
 
 
+# With no head dim every score is 0: each output row is the mean of the
+# values. The few-row score paths (one query per head, a GQA group's rows in
+# one vector of lanes) once left such scores unwritten: whatever an earlier
+# call had left in the scratch buffer, which the first call here fills.
+@pytest.mark.parametrize("L", [1, 2, 4, 8, 19])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (12, 4)], ids=str)
+def test_empty_head_dim_gives_the_mean_of_values(heads, L, rand):
+    H, H_kv = heads
+    gqa = H != H_kv
+    sdpa(rand(2, H, L, 16) * 10, rand(2, H_kv, 37, 16) * 10, rand(2, H_kv, 37, 8), enable_gqa=gqa)
+    q, k, v = rand(2, H, L, 0), rand(2, H_kv, 37, 0), rand(2, H_kv, 37, 8)
+    out = sdpa(q, k, v, enable_gqa=gqa)
+    want = v.mean(dim=2, keepdim=True).repeat_interleave(H // H_kv, dim=1).expand(2, H, L, 8)
+    torch.testing.assert_close(out, want)
+
+
 MASK_SHAPES = [(19, 23), (1, 23), (19, 1), (4, 19, 23), (2, 1, 19, 23), (2, 4, 19, 23), (1, 1, 1, 23), (23,)]
 
 
