@@ -241,7 +241,11 @@ class PrefetchQueue {
   // rows rows of `bytes` bytes each, `stride` bytes apart, from first.
   void add(const void* first, int64_t stride, int64_t rows, int64_t bytes) {
     if (rows <= 0 || bytes <= 0) return;
-    if (count_ == kMaxRegions) issue(lines_);  // (full: make room)
+    // Full: issue all that is queued. (Not issue(lines_): lines_ is only
+    // an upper bound, and when it is exact a last region whose lines are all
+    // issued is still counted, so the queue would stay full and this write
+    // overrun it: rows of 31 floats, which straddle lines, did.)
+    if (count_ == kMaxRegions) issue(std::numeric_limits<int64_t>::max());
     const uintptr_t start = reinterpret_cast<uintptr_t>(first);
     regions_[count_++] = {start & ~uintptr_t(63), start + bytes, start, stride, rows, bytes};
     lines_ += rows * (bytes / 64 + 2);  // (at most; a row may straddle lines)

@@ -200,6 +200,32 @@ def test_a_paged_cache_equals_a_contiguous_one(device, page, kw, new):
     torch.testing.assert_close(paged_v[table.long()].view(B, S_cache, H_KV, E), cache_v)
 
 
+@pytest.mark.parametrize("page", [1, 2])
+@pytest.mark.parametrize("dim", [31, 33])
+def test_pages_of_rows_that_straddle_cache_lines(page, dim):
+    """Decoding (3 query rows per K/V head) over pages of 1-2 rows whose rows of 31 or 33
+    floats start anywhere in a cache line: the kernel's prefetch queue then fills with many
+    small regions, and once overran itself (a crash within a few calls)."""
+    torch.manual_seed(0)
+    S_cache, new = 40, 2
+    pages = S_cache // page
+    for _ in range(20):
+        cache_k = torch.randn(1, S_cache, H_KV, dim)
+        cache_v = torch.randn(1, S_cache, H_KV, dim)
+        table = torch.randperm(pages + 5)[:pages].view(1, pages).to(torch.int32)
+        paged_k = torch.randn(pages + 5, page, H_KV, dim)
+        paged_v = torch.randn(pages + 5, page, H_KV, dim)
+        paged_k[table.long()] = cache_k.view(1, pages, page, H_KV, dim)
+        paged_v[table.long()] = cache_v.view(1, pages, page, H_KV, dim)
+        q = torch.randn(1, 3, H, dim)
+        k, v = torch.randn(1, new, H_KV, dim), torch.randn(1, new, H_KV, dim)
+        got = fusedmha.flash_attn_with_kvcache(q, paged_k, paged_v, k, v, cache_seqlens=18,
+                                               block_table=table, causal=True)
+        want = fusedmha.flash_attn_with_kvcache(q, cache_k, cache_v, k, v, cache_seqlens=18,
+                                                causal=True)
+        torch.testing.assert_close(got, want)
+
+
 def test_caches_that_share_memory_are_refused_and_left_untouched():
     """The caches are written in place: one tensor as both, or new rows that are cache rows,
     would overwrite what is read; halves of one buffer are distinct and fine."""
