@@ -392,10 +392,12 @@ struct SoftcapEpilogue {
 //  - kRowsOfA: row i of a is a + i·lda (e.g. Sᵀ = K·Qᵀ with a = rows of K)
 //  - otherwise a is given by its columns: element (i, t) at a[t·lda + i]
 //    (e.g. O += P·V with P held as Pᵀ).
+// kAddToC: the sum starts from 0 and c is added to it at the end (gemm's
+// chunks after the first; kAccumulate instead starts the chain from c).
 // Always inlined: compiled out of line, GCC keeps the accumulator arrays in
 // memory (a store per FMA pair) instead of registers.
 template <typename acc_t, int64_t M, bool kRowsOfA, bool kAccumulate, typename Epilogue,
-          int kVectors = 2>
+          int kVectors = 2, bool kAddToC = false>
 __attribute__((always_inline)) inline void microkernel(const acc_t* a, int64_t lda, const acc_t* b,
                                                        int64_t b_step, int64_t n, acc_t* c,
                                                        int64_t ldc, const Epilogue& ep) {
@@ -449,6 +451,10 @@ __attribute__((always_inline)) inline void microkernel(const acc_t* a, int64_t l
   }
 #pragma GCC unroll 32
   for (int64_t i = 0; i < M; ++i) {
+    if constexpr (kAddToC) {
+      c0[i] = c0[i] + Vec::loadu(c + i * ldc);
+      if constexpr (kVectors == 2) c1[i] = c1[i] + Vec::loadu(c + i * ldc + w);
+    }
     ep(c0[i]).store(c + i * ldc);
     if constexpr (kVectors == 2) ep(c1[i]).store(c + i * ldc + w);
   }
@@ -456,19 +462,27 @@ __attribute__((always_inline)) inline void microkernel(const acc_t* a, int64_t l
 
 // The same for any row count m <= kMicroRows (the tail of a block).
 template <typename acc_t, bool kRowsOfA, bool kAccumulate, typename Epilogue,
-          int64_t M = kMicroRows, int kVectors = 2>
+          int64_t M = kMicroRows, int kVectors = 2, bool kAddToC = false>
 inline void microkernel_rows(int64_t m, const acc_t* a, int64_t lda, const acc_t* b,
                              int64_t b_step, int64_t n, acc_t* c, int64_t ldc,
                              const Epilogue& ep) {
   if constexpr (M > 0) {
     if (m == M) {
-      return microkernel<acc_t, M, kRowsOfA, kAccumulate, Epilogue, kVectors>(a, lda, b, b_step,
-                                                                             n, c, ldc, ep);
+      return microkernel<acc_t, M, kRowsOfA, kAccumulate, Epilogue, kVectors, kAddToC>(
+          a, lda, b, b_step, n, c, ldc, ep);
     }
-    return microkernel_rows<acc_t, kRowsOfA, kAccumulate, Epilogue, M - 1, kVectors>(
+    return microkernel_rows<acc_t, kRowsOfA, kAccumulate, Epilogue, M - 1, kVectors, kAddToC>(
         m, a, lda, b, b_step, n, c, ldc, ep);
   }
 }
+
+// Sums of more than kSumChunk terms (the head dim of a score, the rows of a
+// gradient) go in chunks of kSumChunk, each summed from 0 in the registers
+// and then added to c. One float chain over a 256-dim head had 2.4x the
+// error of MKL's SGEMM (an output error past twice PyTorch's at E = 256 with
+// scale 2); chunks of 64 as little as MKL's, for a load and an add of the
+// tile per 64 FMA steps. few_row_scores splits its sums alike (the same bits).
+constexpr int64_t kSumChunk = 64;
 
 // c[m × ncols] (+)= a[m × n] · b[n × ncols] with ncols a multiple of the panel
 // width, as a grid of micro-kernel calls. b_panel(col) gives the start of the
@@ -487,9 +501,25 @@ __attribute__((noinline)) void gemm(int64_t m, int64_t ncols, int64_t n, const a
     const acc_t* b = b_panel(col);
     for (int64_t i = 0; i < m; i += kMicroRows) {
       if (prefetch) prefetch->issue();  // (a burst per micro-kernel call)
+      const int64_t mi = std::min(kMicroRows, m - i);
       const acc_t* ai = kRowsOfA ? a + i * lda : a + i;
-      microkernel_rows<acc_t, kRowsOfA, kAccumulate>(std::min(kMicroRows, m - i), ai, lda, b,
-                                                     b_step, n, c + i * ldc + col, ldc, ep);
+      acc_t* ci = c + i * ldc + col;
+      if (n <= kSumChunk) {
+        microkernel_rows<acc_t, kRowsOfA, kAccumulate>(mi, ai, lda, b, b_step, n, ci, ldc, ep);
+        continue;
+      }
+      microkernel_rows<acc_t, kRowsOfA, kAccumulate>(mi, ai, lda, b, b_step, kSumChunk, ci, ldc,
+                                                     NoEpilogue{});
+      for (int64_t t = kSumChunk; t < n; t += kSumChunk) {
+        const acc_t* at = kRowsOfA ? ai + t : ai + t * lda;  // (column t of a)
+        if (t + kSumChunk < n) {
+          microkernel_rows<acc_t, kRowsOfA, false, NoEpilogue, kMicroRows, 2, /*kAddToC=*/true>(
+              mi, at, lda, b + t * b_step, b_step, kSumChunk, ci, ldc, NoEpilogue{});
+        } else {
+          microkernel_rows<acc_t, kRowsOfA, false, Epilogue, kMicroRows, 2, /*kAddToC=*/true>(
+              mi, at, lda, b + t * b_step, b_step, n - t, ci, ldc, ep);
+        }
+      }
     }
   }
 }
@@ -811,9 +841,12 @@ class TileReader {
   // reading the keys in place: no transpose, and nothing written but st.
   // The head dim goes in steps of kLaneSteps (each step's sums kept in st,
   // exact), with a prefetch burst before each: decoding's next K/V block
-  // streams in evenly over this block's work.
+  // streams in evenly over this block's work. After the first kSumChunk
+  // dims, each chunk's steps sum in `chunk` and are then added to st: the
+  // micro-kernel's own order, so the scores equal the GEMM's to the bit.
   static constexpr int64_t kLaneKeys = 8;  // chains: FMA latency × ports on current x86
   static constexpr int64_t kLaneSteps = 16;
+  static_assert(kSumChunk % kLaneSteps == 0, "a lane step never spans two sum chunks");
   __attribute__((noinline)) void lane_scores(const acc_t* k, int64_t ldk, int64_t cols,
                                              const acc_t* qt, int64_t bq, acc_t* st,
                                              PrefetchQueue* prefetch) const {
@@ -822,6 +855,7 @@ class TileReader {
       for (int64_t j = 0; j < cols * bq; j += w) Vec(acc_t(0)).store(st + j);
       return;
     }
+    alignas(64) acc_t chunk[kLaneKeys * w];
     for (int64_t j = 0; j < cols; j += kLaneKeys) {
       const int64_t m = std::min(kLaneKeys, cols - j);
       const acc_t* kj = k + j * ldk;
@@ -829,12 +863,19 @@ class TileReader {
       for (int64_t e = 0; e < d; e += kLaneSteps) {
         if (prefetch) prefetch->issue();
         const int64_t n = std::min(kLaneSteps, d - e);
-        if (e == 0) {
+        acc_t* c = e < kSumChunk ? sj : chunk;
+        const int64_t ldc = e < kSumChunk ? bq : w;
+        if (e % kSumChunk == 0) {
           microkernel_rows<acc_t, /*kRowsOfA=*/true, /*kAccumulate=*/false, NoEpilogue, kLaneKeys,
-                           1>(m, kj, ldk, qt, nr, n, sj, bq, NoEpilogue{});
+                           1>(m, kj + e, ldk, qt + e * nr, nr, n, c, ldc, NoEpilogue{});
         } else {
           microkernel_rows<acc_t, /*kRowsOfA=*/true, /*kAccumulate=*/true, NoEpilogue, kLaneKeys,
-                           1>(m, kj + e, ldk, qt + e * nr, nr, n, sj, bq, NoEpilogue{});
+                           1>(m, kj + e, ldk, qt + e * nr, nr, n, c, ldc, NoEpilogue{});
+        }
+        if (c == chunk && (e + n == d || (e + n) % kSumChunk == 0)) {  // (a chunk's last step)
+          for (int64_t i = 0; i < m; ++i) {
+            (Vec::loadu(chunk + i * w) + Vec::loadu(sj + i * bq)).store(sj + i * bq);
+          }
         }
       }
     }
@@ -858,19 +899,35 @@ class TileReader {
                                             int64_t bq, acc_t* st) const {
     const int64_t d = p_.dim_qk;
     const acc_t* q = qt + i;  // (row i + r, dim e at q[e·nr + r])
+    // In chunks of kSumChunk dims, as the micro-kernel sums (the same bits).
     Vec a[R * V];
+    alignas(64) acc_t total[R * V * w];
 #pragma GCC unroll 8
     for (int t = 0; t < R * V; ++t) a[t] = Vec(acc_t(0));
-    for (int64_t e = 0; e < d; ++e) {
-      Vec k[V];
-#pragma GCC unroll 2
-      for (int v = 0; v < V; ++v) k[v] = Vec::loadu(kt + e * ldt + j0 + v * w);
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        const Vec x(q[e * nr + r]);
-#pragma GCC unroll 2
-        for (int v = 0; v < V; ++v) a[r * V + v] = at::vec::fmadd(k[v], x, a[r * V + v]);
+    for (int64_t e0 = 0; e0 < d; e0 += kSumChunk) {
+      if (e0 > 0) {
+#pragma GCC unroll 8
+        for (int t = 0; t < R * V; ++t) {
+          if (e0 > kSumChunk) a[t] = a[t] + Vec::loadu(total + t * w);
+          a[t].store(total + t * w);
+          a[t] = Vec(acc_t(0));
+        }
       }
+      for (int64_t e = e0, e1 = std::min(d, e0 + kSumChunk); e < e1; ++e) {
+        Vec k[V];
+#pragma GCC unroll 2
+        for (int v = 0; v < V; ++v) k[v] = Vec::loadu(kt + e * ldt + j0 + v * w);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          const Vec x(q[e * nr + r]);
+#pragma GCC unroll 2
+          for (int v = 0; v < V; ++v) a[r * V + v] = at::vec::fmadd(k[v], x, a[r * V + v]);
+        }
+      }
+    }
+    if (d > kSumChunk) {
+#pragma GCC unroll 8
+      for (int t = 0; t < R * V; ++t) a[t] = a[t] + Vec::loadu(total + t * w);
     }
     alignas(64) acc_t lanes[V * w];
     const int64_t n = std::min<int64_t>(cols - j0, V * w);
