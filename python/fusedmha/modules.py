@@ -133,6 +133,11 @@ class MultiheadAttention(nn.Module):
         ``(N, num_heads, L, S)`` (no N when unbatched), or None when ``need_weights=False``.
         """
         is_batched = self._check_inputs(query, key, value, key_padding_mask, attn_mask)
+        if is_causal and key_padding_mask is None and not need_weights:
+            # PyTorch's causal hint: with no key padding mask and no weights to return,
+            # attn_mask is taken to be the causal mask; past its rank and dtype, neither its
+            # shape is checked nor its values read.
+            attn_mask = None
         # Batched inputs, kept in their own layout: (L, N, E), or (N, L, E) with batch_first.
         seq_first = not (self.batch_first and is_batched)
         if not is_batched:
