@@ -133,11 +133,6 @@ class MultiheadAttention(nn.Module):
         ``(N, num_heads, L, S)`` (no N when unbatched), or None when ``need_weights=False``.
         """
         is_batched = self._check_inputs(query, key, value, key_padding_mask, attn_mask)
-        if is_causal and key_padding_mask is None and not need_weights:
-            # PyTorch's causal hint: with no key padding mask and no weights to return,
-            # attn_mask is taken to be the causal mask; past its rank and dtype, neither its
-            # shape is checked nor its values read.
-            attn_mask = None
         # Batched inputs, kept in their own layout: (L, N, E), or (N, L, E) with batch_first.
         seq_first = not (self.batch_first and is_batched)
         if not is_batched:
@@ -146,8 +141,11 @@ class MultiheadAttention(nn.Module):
                 key_padding_mask = key_padding_mask.unsqueeze(0)
         self._check_batched_shapes(query, key, value, seq_first)
         q, k, v = self._project(query, key, value, seq_first)
+        # PyTorch's causal hint: with no key padding mask and no weights to return, attn_mask
+        # is taken to be the causal mask, and its shape is not checked.
+        causal_hint = is_causal and key_padding_mask is None and not need_weights
         attn_mask, key_padding_mask = self._mask_views(
-            attn_mask, key_padding_mask, q.shape[0], q.shape[2], k.shape[2]
+            attn_mask, key_padding_mask, q.shape[0], q.shape[2], k.shape[2], causal_hint
         )
         dropout_p = float(self.dropout) if self.training else 0.0
         # Masks, extra keys, the causal hint and the fused attention: one C++ op shared with
@@ -228,10 +226,19 @@ class MultiheadAttention(nn.Module):
             )
 
     def _mask_views(self, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor],
-                    bsz: int, tgt_len: int, src_len: int
+                    bsz: int, tgt_len: int, src_len: int, causal_hint: bool = False
                     ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
         """attn_mask viewed as (1, 1, L, S) or (N, H, L, S) and the batched key_padding_mask
-        as (N, 1, 1, S), their shapes checked with PyTorch's messages; never copied."""
+        as (N, 1, 1, S), their shapes checked with PyTorch's messages; never copied. With
+        causal_hint, an attn_mask of another shape is dropped (it would not be read)."""
+        mismatched = False
+        if causal_hint and attn_mask is not None:
+            if attn_mask.dim() == 2:
+                mismatched = attn_mask.shape != (tgt_len, src_len)
+            else:
+                mismatched = attn_mask.shape != (bsz * self.num_heads, tgt_len, src_len)
+        if mismatched:
+            attn_mask = None
         if attn_mask is not None:
             if attn_mask.dim() == 2:
                 if attn_mask.shape != (tgt_len, src_len):
