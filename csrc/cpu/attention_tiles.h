@@ -266,14 +266,21 @@ class PrefetchQueue {
         r.line = r.row & ~uintptr_t(63);
         r.end = r.row + r.bytes;
       }
+      // As many of the row's lines as the burst has left, in a tight loop.
+      const int64_t k = std::min<int64_t>(n, static_cast<int64_t>((r.end - r.line + 63) / 64));
+      const uintptr_t line = r.line;
       if (into_l1_) {
-        prefetch_line</*kIntoL1=*/true>(reinterpret_cast<const void*>(r.line));
+        for (int64_t i = 0; i < k; ++i) {
+          prefetch_line</*kIntoL1=*/true>(reinterpret_cast<const void*>(line + 64 * i));
+        }
       } else {
-        prefetch_line</*kIntoL1=*/false>(reinterpret_cast<const void*>(r.line));
+        for (int64_t i = 0; i < k; ++i) {
+          prefetch_line</*kIntoL1=*/false>(reinterpret_cast<const void*>(line + 64 * i));
+        }
       }
-      r.line += 64;
-      --n;
-      --lines_;
+      r.line = line + 64 * k;
+      n -= k;
+      lines_ -= k;
     }
     if (next_ == count_) count_ = next_ = 0, lines_ = 0;
   }
