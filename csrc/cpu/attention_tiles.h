@@ -238,8 +238,13 @@ class PrefetchQueue {
   // ahead, beside the GEMMs' own L1 tiles) stay in L2: BERT-base was 4%
   // slower with prefetcht0.
   explicit PrefetchQueue(bool into_l1 = false) : into_l1_(into_l1) {}
-  // rows rows of `bytes` bytes each, `stride` bytes apart, from first.
+  bool into_l1() const { return into_l1_; }
+  // rows rows of `bytes` bytes each, `stride` bytes apart, from first (into
+  // L1 too when into_l1, else into L2: the queue's own choice by default).
   void add(const void* first, int64_t stride, int64_t rows, int64_t bytes) {
+    add(first, stride, rows, bytes, into_l1_);
+  }
+  void add(const void* first, int64_t stride, int64_t rows, int64_t bytes, bool into_l1) {
     if (rows <= 0 || bytes <= 0) return;
     // Full: issue all that is queued. (Not issue(lines_): lines_ is only
     // an upper bound, and when it is exact a last region whose lines are all
@@ -247,7 +252,7 @@ class PrefetchQueue {
     // overrun it: rows of 31 floats, which straddle lines, did.)
     if (count_ == kMaxRegions) issue(std::numeric_limits<int64_t>::max());
     const uintptr_t start = reinterpret_cast<uintptr_t>(first);
-    regions_[count_++] = {start & ~uintptr_t(63), start + bytes, start, stride, rows, bytes};
+    regions_[count_++] = {start & ~uintptr_t(63), start + bytes, start, stride, rows, bytes, into_l1};
     lines_ += rows * (bytes / 64 + 2);  // (at most; a row may straddle lines)
   }
   // Spreads what is queued over the next `calls` calls of issue().
@@ -269,7 +274,7 @@ class PrefetchQueue {
       // As many of the row's lines as the burst has left, in a tight loop.
       const int64_t k = std::min<int64_t>(n, static_cast<int64_t>((r.end - r.line + 63) / 64));
       const uintptr_t line = r.line;
-      if (into_l1_) {
+      if (r.into_l1) {
         for (int64_t i = 0; i < k; ++i) {
           prefetch_line</*kIntoL1=*/true>(reinterpret_cast<const void*>(line + 64 * i));
         }
@@ -291,6 +296,7 @@ class PrefetchQueue {
     uintptr_t line, end;  // the next line, and the end of the current row
     uintptr_t row;        // the current row's first byte
     int64_t stride, rows, bytes;
+    bool into_l1;
   };
   Region regions_[kMaxRegions];
   int count_ = 0, next_ = 0;
@@ -805,8 +811,13 @@ class TileReader {
   // Queues keys k0..k0+cols of K or V (dim wide) to be brought into L2.
   void queue_key_rows(PrefetchQueue& queue, KeySide side, int64_t o, int64_t k0, int64_t cols,
                       int64_t dim) const {
+    queue_key_rows(queue, side, o, k0, cols, dim, queue.into_l1());
+  }
+  void queue_key_rows(PrefetchQueue& queue, KeySide side, int64_t o, int64_t k0, int64_t cols,
+                      int64_t dim, bool into_l1) const {
     constexpr int64_t size = sizeof(scalar_t);
-    queue.add(key_rows(side, o, k0), key_matrix(side).row_stride * size, cols, dim * size);
+    queue.add(key_rows(side, o, k0), key_matrix(side).row_stride * size, cols, dim * size,
+              into_l1);
   }
 
   // Sᵀ as scores() computes it (no softcap), bit for bit, for a block of
