@@ -297,9 +297,9 @@ class ForwardKernel {
   // few_row_bursts, and one per micro-kernel call of its P·V). Each line is
   // asked for twice: first into L2, a block ahead of its L1 prefetch, which
   // then finds it there or on its way. Into L1 alone, every prefetch waited
-  // for memory in one of L1's few miss buffers: on Zen 4 (2 threads, 32k GQA
-  // cache, alternating) the kernel stalled on them and read 11-13 GB/s of
-  // K/V, with the L2 prefetch ahead 14-16.
+  // for memory in one of L1's few miss buffers: on Zen 4 (AVX-512, 2 threads,
+  // 32k GQA cache, builds alternating) the kernel stalled on them and read
+  // 14.4-14.7 GB/s of K/V, with the L2 prefetch ahead 19.1-21.5.
   void queue_next_head_block(int64_t h, int64_t k0, int64_t kv_end, int64_t rows, int64_t o0) {
     int64_t next_h = h, next_k0 = k0;
     for (const bool into_l1 : {true, false}) {

@@ -524,13 +524,13 @@ __attribute__((noinline)) void gemm(int64_t m, int64_t ncols, int64_t n, const a
       microkernel_rows<acc_t, kRowsOfA, kAccumulate>(mi, ai, lda, b, b_step, kSumChunk, ci, ldc,
                                                      NoEpilogue{});
       for (int64_t t = kSumChunk; t < n; t += kSumChunk) {
-        const acc_t* at = kRowsOfA ? ai + t : ai + t * lda;  // (column t of a)
+        const acc_t* a_t = kRowsOfA ? ai + t : ai + t * lda;  // (column t of a)
         if (t + kSumChunk < n) {
           microkernel_rows<acc_t, kRowsOfA, false, NoEpilogue, kMicroRows, 2, /*kAddToC=*/true>(
-              mi, at, lda, b + t * b_step, b_step, kSumChunk, ci, ldc, NoEpilogue{});
+              mi, a_t, lda, b + t * b_step, b_step, kSumChunk, ci, ldc, NoEpilogue{});
         } else {
           microkernel_rows<acc_t, kRowsOfA, false, Epilogue, kMicroRows, 2, /*kAddToC=*/true>(
-              mi, at, lda, b + t * b_step, b_step, n - t, ci, ldc, ep);
+              mi, a_t, lda, b + t * b_step, b_step, n - t, ci, ldc, ep);
         }
       }
     }
@@ -808,7 +808,8 @@ class TileReader {
       queue.add(first, mk.row_stride * size, rows, cols * size);
     });
   }
-  // Queues keys k0..k0+cols of K or V (dim wide) to be brought into L2.
+  // Queues keys k0..k0+cols of K or V (dim wide) to be brought into L2 (and
+  // L1 with into_l1; by default, as the queue was made).
   void queue_key_rows(PrefetchQueue& queue, KeySide side, int64_t o, int64_t k0, int64_t cols,
                       int64_t dim) const {
     queue_key_rows(queue, side, o, k0, cols, dim, queue.into_l1());
