@@ -5,6 +5,8 @@ and through fusedmha.flash_attn_with_kvcache (one new token appended) FlashAtten
 (B, S, H_kv, E) cache and a paged one (pages of --page rows, shuffled); PyTorch reads the
 same (B, S, H_kv, E) cache as a view. Decoding reads K/V once per step and computes little, so the
 yardstick is memory: K/V bytes read per second against this machine's measured read bandwidth.
+Every call starts from cold, clean caches (common.CacheFlush), as each layer's decode step does;
+the bandwidth is measured in the same rounds (common.MemoryRead).
 
     python benchmarks/bench_decode_cpu.py [--quick] [--lengths 4096 32768]
 """
@@ -18,7 +20,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fusedmha  # noqa: E402
-from common import memory_read_gbps, time_interleaved  # noqa: E402
+from common import CacheFlush, MemoryRead, time_interleaved  # noqa: E402
 
 
 def main():
@@ -34,13 +36,13 @@ def main():
     a = p.parse_args()
     if a.quick:
         a.lengths, a.min_time, a.page = [1024], 0.1, 64
-    bandwidth = memory_read_gbps(256 << 20 if a.quick else 1 << 30)
+    probe, flush = MemoryRead(64 << 20 if a.quick else 512 << 20), CacheFlush()
     H, Hkv, E, L = a.heads, a.kv_heads, a.head_dim, a.queries
     print(f"threads={torch.get_num_threads()} isa={fusedmha.build_info()['cpu_isa_in_use']} "
-          f"torch={torch.__version__} B=1 H={H} H_kv={Hkv} L={L} E={E} float32; memory read "
-          f"bandwidth {bandwidth:.1f} GB/s")
-    header = (f"{'S':>7s} {'cache':>9s} {'fusedmha ms':>12s} {'K/V GB/s':>9s} {'% bw':>5s} {'torch ms':>9s} "
-              f"{'K/V GB/s':>9s} {'% bw':>5s} {'vs torch':>9s}")
+          f"torch={torch.__version__} B=1 H={H} H_kv={Hkv} L={L} E={E} float32; % bw: of the memory "
+          f"read bandwidth measured in the same rounds")
+    header = (f"{'S':>7s} {'cache':>9s} {'bw GB/s':>8s} {'fusedmha ms':>12s} {'K/V GB/s':>9s} {'% bw':>5s} "
+              f"{'torch ms':>9s} {'K/V GB/s':>9s} {'% bw':>5s} {'vs torch':>9s}")
     print(header)
     print("-" * len(header))
     torch.manual_seed(0)
@@ -69,9 +71,9 @@ def main():
                       lambda: F.scaled_dot_product_attention(q, k_view, v_view, enable_gqa=True)),
         }
         for name, (ours, theirs) in runs.items():
-            t_f, t_t = time_interleaved([ours, theirs], a.min_time)
-            g_f, g_t = kv_bytes / t_f / 1e9, kv_bytes / t_t / 1e9
-            print(f"{S:7d} {name:>9s} {t_f * 1e3:12.3f} {g_f:9.1f} {100 * g_f / bandwidth:4.0f}% "
+            t_f, t_t, t_bw = time_interleaved([ours, theirs, probe], a.min_time, before_each=flush)
+            g_f, g_t, bandwidth = kv_bytes / t_f / 1e9, kv_bytes / t_t / 1e9, probe.gbps(t_bw)
+            print(f"{S:7d} {name:>9s} {bandwidth:8.1f} {t_f * 1e3:12.3f} {g_f:9.1f} {100 * g_f / bandwidth:4.0f}% "
                   f"{t_t * 1e3:9.3f} {g_t:9.1f} {100 * g_t / bandwidth:4.0f}% {t_t / t_f:8.2f}x",
                   flush=True)
 

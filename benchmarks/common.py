@@ -32,15 +32,44 @@ def fma_peak_gflops(seconds=0.1):
     return fusedmha.cpu_fma_peak_gflops(seconds)
 
 
-def memory_read_gbps(nbytes=1 << 30, repeats=5):
-    """This machine's memory-read bandwidth in GB/s: the best of a few reductions over a
-    buffer far larger than the caches (every intra-op thread reads)."""
-    import time
+class MemoryRead:
+    """A probe of this machine's memory-read bandwidth: a call sums a buffer far larger than
+    the caches (every intra-op thread reads). Time it in alternation with the calls it is the
+    yardstick for (time_interleaved): the bandwidth of a shared machine drifts from minute to
+    minute, and both sides then get the same minutes, and medians."""
 
-    x = torch.ones(nbytes // 4)
-    x.sum()
-    best = min(_timed(x.sum) for _ in range(repeats))
-    return nbytes / best / 1e9
+    def __init__(self, nbytes=512 << 20):
+        self.nbytes = nbytes
+        self.buffer = torch.ones(nbytes // 4)
+
+    def __call__(self):
+        self.buffer.sum()
+
+    def gbps(self, seconds):
+        return self.nbytes / seconds / 1e9
+
+
+class CacheFlush:
+    """Leaves the caches cold and clean: a read of twice the last-level cache. For memory-bound
+    calls timed in alternation, which otherwise inherit each other's cache state: two calls
+    over the same K/V find part of it in L3, and a call after PyTorch's grouped-query SDPA
+    (which writes the K/V expanded per query head) first waits for its dirty lines to be
+    written back (at S=4096 on Zen 4: a paged decode 2.2 ms after a plain read, 3.0 after
+    PyTorch). A model's decode step reads each layer's cache cold, between layers that write
+    little, so the plain read is the fair neighbour for both sides."""
+
+    def __init__(self):
+        llc = 32 << 20
+        try:
+            with open("/sys/devices/system/cpu/cpu0/cache/index3/size") as f:
+                text = f.read().strip()
+            llc = int(text[:-1]) << {"K": 10, "M": 20}[text[-1]] if text[-1] in "KM" else int(text)
+        except (OSError, ValueError, KeyError):
+            pass
+        self.buffer = torch.ones(2 * max(llc, 32 << 20) // 4)
+
+    def __call__(self):
+        self.buffer.sum()
 
 
 def _timed(fn):
@@ -99,9 +128,10 @@ def unfused_attention(q, k, v, attn_mask=None, is_causal=False):
     return torch.softmax(scores, dim=-1) @ v
 
 
-def time_interleaved(fns, min_time=0.5, warmup=1):
+def time_interleaved(fns, min_time=0.5, warmup=1, before_each=None):
     """Median seconds per call of each function, measured in alternation (one call of each
-    per round) so that a slow spell of a shared machine hits all of them alike."""
+    per round) so that a slow spell of a shared machine hits all of them alike. before_each,
+    when given, runs untimed before every call (cold caches: CacheFlush)."""
     for fn in fns:
         for _ in range(warmup):
             fn()
@@ -109,6 +139,8 @@ def time_interleaved(fns, min_time=0.5, warmup=1):
     start = time.perf_counter()
     while time.perf_counter() - start < min_time * len(fns) or len(samples[0]) < 3:
         for fn, s in zip(fns, samples):
+            if before_each is not None:
+                before_each()
             t = time.perf_counter()
             fn()
             s.append(time.perf_counter() - t)
