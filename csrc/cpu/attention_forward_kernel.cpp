@@ -35,9 +35,13 @@ constexpr int64_t kSharedMaskBlockQ = 128;
 constexpr int64_t kBlockKV = 64;
 // Query blocks of at most this many rows (decoding) take few_row_scores.
 constexpr int64_t kFewRows = 8;
-// Decoding splits the keys into chunks of at least this many key blocks.
+// Decoding takes at least kMinChunkBlocks key blocks, and splits the keys
+// into chunks of at least kMinChunkKeys. (Chunks of 1024 left one of two
+// threads idle below S = 2048: one query over a 1024-key GQA cache, E=128,
+// took 1.0 ms, and 0.69-0.75 ms in chunks of 256; the merge is a few vector
+// operations per chunk and head.)
 constexpr int64_t kMinChunkBlocks = 4;
-constexpr int64_t kMinChunkKeys = 1024;
+constexpr int64_t kMinChunkKeys = 256;
 // Keys of the next work item prefetched into L2 (prefetch_item).
 constexpr int64_t kPrefetchKeys = 128;
 // ln 256: a running max moves only when a block's max passes it by more.
@@ -100,8 +104,7 @@ class ForwardKernel {
   static constexpr int64_t w = Vec::size();
 
   ForwardKernel(const AttentionParams& p, const WorkSplit& split, Arena<acc_t> arena)
-      : call_(p), p_(p), split_(split), tiles_(p_), ws_(p, split, arena),
-        prefetch_(/*into_l1=*/split.decode) {}
+      : call_(p), p_(p), split_(split), tiles_(p_), ws_(p, split, arena) {}
 
   // One item = split_.heads outer indices (one, or the heads of a batch
   // index when they share a mask) over one block of query rows. Each key
@@ -292,24 +295,27 @@ class ForwardKernel {
 
  private:
   // Decoding: queues the keys and values of the (head, key block) after
-  // head h's block at k0 into L1, and of the one after that into L2, paced
-  // over the bursts that h's block issues (those of its scores,
-  // few_row_bursts, and one per micro-kernel call of its P·V). Each line is
-  // asked for twice: first into L2, a block ahead of its L1 prefetch, which
-  // then finds it there or on its way. Into L1 alone, every prefetch waited
-  // for memory in one of L1's few miss buffers: on Zen 4 (AVX-512, 2 threads,
-  // 32k GQA cache, builds alternating) the kernel stalled on them and read
-  // 14.4-14.7 GB/s of K/V, with the L2 prefetch ahead 19.1-21.5.
+  // head h's block at k0 into L2, paced over the bursts that h's block
+  // issues (those of its scores, few_row_bursts, and one per micro-kernel
+  // call of its P·V); the loads find them there. Into L1 (prefetcht0), each
+  // prefetch held one of L1's few miss buffers for a trip to memory and the
+  // kernel stalled on them; in a (B, S, H_kv, E) cache a head's rows are
+  // 4 KiB apart, in the same L1 sets, and were evicted before their use. On
+  // Zen 4 (2 threads, E=128 GQA cache, one process alternating the choices,
+  // caches flushed before each call): into L2 one (head, block) ahead read
+  // 21.3-21.8 GB/s of K/V at S=32768 and 14.8-16.8 at 4096, into L2 two
+  // ahead and into L1 one ahead (the choice before) 18.4-19.2 and 13.0-15.3,
+  // into L2 two or three ahead 20.7-21.7 and 14.4-16.5; the AVX2 path alike.
   void queue_next_head_block(int64_t h, int64_t k0, int64_t kv_end, int64_t rows, int64_t o0) {
-    int64_t next_h = h, next_k0 = k0;
-    for (const bool into_l1 : {true, false}) {
-      if (++next_h == split_.heads) next_h = 0, next_k0 += split_.block_kv;
-      const int64_t cols = std::min(split_.block_kv, kv_end - next_k0);
-      if (cols <= 0) break;
-      tiles_.queue_key_rows(prefetch_, Tiles::KeySide::K, o0 + next_h, next_k0, cols, p_.dim_qk,
-                            into_l1);
-      tiles_.queue_key_rows(prefetch_, Tiles::KeySide::V, o0 + next_h, next_k0, cols, p_.dim_v,
-                            into_l1);
+    const bool last_head = h + 1 == split_.heads;
+    const int64_t next_h = last_head ? 0 : h + 1;
+    const int64_t next_k0 = last_head ? k0 + split_.block_kv : k0;
+    const int64_t next_cols = std::min(split_.block_kv, kv_end - next_k0);
+    if (next_cols > 0) {
+      tiles_.queue_key_rows(prefetch_, Tiles::KeySide::K, o0 + next_h, next_k0, next_cols,
+                            p_.dim_qk);
+      tiles_.queue_key_rows(prefetch_, Tiles::KeySide::V, o0 + next_h, next_k0, next_cols,
+                            p_.dim_v);
     }
     const int64_t cols = std::min(split_.block_kv, kv_end - k0);
     prefetch_.pace(tiles_.few_row_bursts(cols, rows) + ws_.dv / nr * div_up(rows, kMicroRows));
@@ -614,7 +620,7 @@ WorkSplit configure(const AttentionParams& p, int64_t threads) {
     split.heads = p.seq.on() ? p.seq.heads : (p.outer.dims ? p.outer.size[p.outer.dims - 1] : 1);
     const int64_t groups = p.num_outer / split.heads;
     // Enough chunks that every thread gets about two items.
-    // (A split costs a merge pass: only for chunks of kMinChunkKeys or more.)
+    // (A split costs a merge pass: only chunks of kMinChunkKeys or more.)
     split.kv_splits = std::clamp<int64_t>(div_up(2 * threads, std::max<int64_t>(groups, 1)), 1,
                                           std::max<int64_t>(p.len_kv / kMinChunkKeys, 1));
     split.items = groups * split.kv_splits;

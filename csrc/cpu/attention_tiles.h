@@ -202,21 +202,15 @@ Vectorized<acc_t> exp_of_difference(const Vectorized<acc_t>& x_in, const Vectori
   return (x_in - m_in).exp_u20();
 }
 
-// Asks for the cache line at p to come into L2 (prefetcht1) or, with
-// kIntoL1, into L1 as well (prefetcht0, for lines used within
-// microseconds). An asm statement on x86: GCC 12 deletes loops of
-// __builtin_prefetch once they are inlined into the kernels (a loop with no
-// other effect), so the prefetches the kernels asked for were never issued.
-template <bool kIntoL1>
+// Asks for the cache line at p to come into L2 (prefetcht1). An asm
+// statement on x86: GCC 12 deletes loops of __builtin_prefetch once they are
+// inlined into the kernels (a loop with no other effect), so the prefetches
+// the kernels asked for were never issued.
 inline void prefetch_line(const void* p) {
 #if defined(__x86_64__)
-  if constexpr (kIntoL1) {
-    asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
-  } else {
-    asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
-  }
+  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
 #else
-  __builtin_prefetch(p, 0, kIntoL1 ? 3 : 2);
+  __builtin_prefetch(p, 0, 2);
 #endif
 }
 
@@ -230,21 +224,11 @@ inline void prefetch_line(const void* p) {
 // between the reads of this one.
 class PrefetchQueue {
  public:
-  // into_l1: lines come into L1 too. Decoding streams K/V from memory with
-  // little compute per byte: on Zen 3 (2 threads) its K/V came 15–20%
-  // faster with prefetcht0 than with prefetcht1 (one query over a 32k GQA
-  // cache: 40.7 -> 30.2 ms), as in the model loop of
-  // benchmarks/decode_memory_bound.cpp. The forward's prefetches (a block
-  // ahead, beside the GEMMs' own L1 tiles) stay in L2: BERT-base was 4%
-  // slower with prefetcht0.
-  explicit PrefetchQueue(bool into_l1 = false) : into_l1_(into_l1) {}
-  bool into_l1() const { return into_l1_; }
-  // rows rows of `bytes` bytes each, `stride` bytes apart, from first (into
-  // L1 too when into_l1, else into L2: the queue's own choice by default).
+  // rows rows of `bytes` bytes each, `stride` bytes apart, from first, to
+  // come into L2: the forward's prefetches come a block ahead, beside the
+  // GEMMs' own L1 tiles (BERT-base was 4% slower with prefetcht0), and
+  // decoding's a (head, block) ahead (queue_next_head_block says why).
   void add(const void* first, int64_t stride, int64_t rows, int64_t bytes) {
-    add(first, stride, rows, bytes, into_l1_);
-  }
-  void add(const void* first, int64_t stride, int64_t rows, int64_t bytes, bool into_l1) {
     if (rows <= 0 || bytes <= 0) return;
     // Full: issue all that is queued. (Not issue(lines_): lines_ is only
     // an upper bound, and when it is exact a last region whose lines are all
@@ -252,7 +236,7 @@ class PrefetchQueue {
     // overrun it: rows of 31 floats, which straddle lines, did.)
     if (count_ == kMaxRegions) issue(std::numeric_limits<int64_t>::max());
     const uintptr_t start = reinterpret_cast<uintptr_t>(first);
-    regions_[count_++] = {start & ~uintptr_t(63), start + bytes, start, stride, rows, bytes, into_l1};
+    regions_[count_++] = {start & ~uintptr_t(63), start + bytes, start, stride, rows, bytes};
     lines_ += rows * (bytes / 64 + 2);  // (at most; a row may straddle lines)
   }
   // Spreads what is queued over the next `calls` calls of issue().
@@ -274,15 +258,7 @@ class PrefetchQueue {
       // As many of the row's lines as the burst has left, in a tight loop.
       const int64_t k = std::min<int64_t>(n, static_cast<int64_t>((r.end - r.line + 63) / 64));
       const uintptr_t line = r.line;
-      if (r.into_l1) {
-        for (int64_t i = 0; i < k; ++i) {
-          prefetch_line</*kIntoL1=*/true>(reinterpret_cast<const void*>(line + 64 * i));
-        }
-      } else {
-        for (int64_t i = 0; i < k; ++i) {
-          prefetch_line</*kIntoL1=*/false>(reinterpret_cast<const void*>(line + 64 * i));
-        }
-      }
+      for (int64_t i = 0; i < k; ++i) prefetch_line(reinterpret_cast<const void*>(line + 64 * i));
       r.line = line + 64 * k;
       n -= k;
       lines_ -= k;
@@ -296,12 +272,10 @@ class PrefetchQueue {
     uintptr_t line, end;  // the next line, and the end of the current row
     uintptr_t row;        // the current row's first byte
     int64_t stride, rows, bytes;
-    bool into_l1;
   };
   Region regions_[kMaxRegions];
   int count_ = 0, next_ = 0;
   int64_t lines_ = 0, burst_ = 8;
-  bool into_l1_;
 };
 
 // max(x, y), or y where x is NaN: one instruction (max_ps returns its
@@ -808,17 +782,11 @@ class TileReader {
       queue.add(first, mk.row_stride * size, rows, cols * size);
     });
   }
-  // Queues keys k0..k0+cols of K or V (dim wide) to be brought into L2 (and
-  // L1 with into_l1; by default, as the queue was made).
+  // Queues keys k0..k0+cols of K or V (dim wide) to be brought into L2.
   void queue_key_rows(PrefetchQueue& queue, KeySide side, int64_t o, int64_t k0, int64_t cols,
                       int64_t dim) const {
-    queue_key_rows(queue, side, o, k0, cols, dim, queue.into_l1());
-  }
-  void queue_key_rows(PrefetchQueue& queue, KeySide side, int64_t o, int64_t k0, int64_t cols,
-                      int64_t dim, bool into_l1) const {
     constexpr int64_t size = sizeof(scalar_t);
-    queue.add(key_rows(side, o, k0), key_matrix(side).row_stride * size, cols, dim * size,
-              into_l1);
+    queue.add(key_rows(side, o, k0), key_matrix(side).row_stride * size, cols, dim * size);
   }
 
   // Sᵀ as scores() computes it (no softcap), bit for bit, for a block of
