@@ -99,7 +99,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_forward_cpu(
                            variants);
   ops::check_packed_batch_values(ops::kVarlenForwardOp, batch, query.size(0), key);
   // (Every row of a sequence is written by the kernel: only the rest is filled.)
-  const int64_t covered = cu_seqlens_q[-1].item<int64_t>();
+  const at::Tensor cu_q = cu_seqlens_q.contiguous();
+  const int64_t covered = cu_q.const_data_ptr<int32_t>()[cu_q.size(0) - 1];
   auto [out, lse, rng_state] = ops::allocate_varlen_outputs(query, value, covered);
   ops::AttentionCall call(ops::kVarlenForwardOp, query, key, value, batch, is_causal, scale,
                           variants, dropout_p);

@@ -2,8 +2,7 @@
 
 #include "ops/attention_shapes.h"
 
-#include <ATen/ops/diff.h>
-
+#include <algorithm>
 #include <cmath>
 
 namespace fusedmha::ops {
@@ -313,45 +312,54 @@ void check_varlen_backward_inputs(const char* op, const at::Tensor& grad_out,
 
 void check_packed_batch_values(const char* op, const PackedBatch& batch, int64_t total_q,
                                const at::Tensor& key) {
+  // Read in place and checked in plain loops: a chain of ATen reductions
+  // and .item()s cost a few microseconds per op, tens of them per decoding
+  // step. (int32 on the CPU: check_varlen_inputs.)
   const bool paged = batch.block_table.has_value();
   // Rows of k and v a sequence may reach: all of them, or with pages, as
   // many as its table row holds.
   const int64_t total_k = paged ? batch.block_table->size(1) * key.size(1) : key.size(0);
   if (paged) {
-    const at::Tensor& table = *batch.block_table;
-    TORCH_CHECK(table.numel() == 0 || (table.min().item<int64_t>() >= 0 &&
-                                       table.max().item<int64_t>() < key.size(0)),
+    const at::Tensor table = batch.block_table->contiguous();
+    const int32_t* page = table.const_data_ptr<int32_t>();
+    TORCH_CHECK(std::all_of(page, page + table.numel(),
+                            [&](int32_t x) { return x >= 0 && x < key.size(0); }),
                 op, ": block_table entries must be page indices in [0, ", key.size(0), ")");
   }
-  if (batch.seqused_k.has_value()) {
-    const at::Tensor used = batch.seqused_k->to(at::kLong);
-    const at::Tensor keys = at::diff(batch.cu_seqlens_k.to(at::kLong));
-    TORCH_CHECK(used.numel() == 0 || (used.min().item<int64_t>() >= 0 &&
-                                      (paged || used.le(keys).all().item<bool>())),
-                op, ": seqused_k must be >= 0 and at most each sequence's keys in cu_seqlens_k");
+  const int64_t sequences = batch.cu_seqlens_q.size(0) - 1;
+  const at::Tensor cu_k = batch.cu_seqlens_k.contiguous();
+  const at::Tensor used_k = batch.seqused_k.has_value() ? batch.seqused_k->contiguous() : cu_k;
+  const int32_t* used = batch.seqused_k.has_value() ? used_k.const_data_ptr<int32_t>() : nullptr;
+  if (used) {
+    const int32_t* cu = cu_k.const_data_ptr<int32_t>();
+    for (int64_t b = 0; b < sequences; ++b) {
+      TORCH_CHECK(used[b] >= 0 && (paged || used[b] <= int64_t{cu[b + 1]} - cu[b]), op,
+                  ": seqused_k must be >= 0 and at most each sequence's keys in cu_seqlens_k");
+    }
   }
   using Lengths = std::tuple<const char*, const char*, const at::Tensor*, int64_t, int64_t>;
-  for (const auto& [name, max_name, cu, total, max_len] :
+  for (const auto& [name, max_name, cu_t, total, max_len] :
        {Lengths{"cu_seqlens_q", "max_seqlen_q", &batch.cu_seqlens_q, total_q, batch.max_seqlen_q},
         Lengths{"cu_seqlens_k", "max_seqlen_k", &batch.cu_seqlens_k, total_k,
                 batch.max_seqlen_k}}) {
-    const at::Tensor values = cu->to(at::kLong);
-    const int64_t first = values[0].item<int64_t>(), last = values[-1].item<int64_t>();
+    const bool keys = cu_t == &batch.cu_seqlens_k;
+    const at::Tensor values = cu_t->contiguous();
+    const int32_t* cu = values.const_data_ptr<int32_t>();
+    const int64_t first = cu[0], last = cu[sequences];
     // (With pages, cu_seqlens_k only gives lengths; each is bounded below.)
-    TORCH_CHECK((paged && cu == &batch.cu_seqlens_k) || (first >= 0 && last <= total), op, ": ",
-                name, " must lie within the ", total, " rows of the packed tensors, got ", first,
+    TORCH_CHECK((paged && keys) || (first >= 0 && last <= total), op, ": ", name,
+                " must lie within the ", total, " rows of the packed tensors, got ", first,
                 " .. ", last);
-    const at::Tensor lengths = at::diff(values);
-    TORCH_CHECK(lengths.numel() == 0 || lengths.min().item<int64_t>() >= 0, op, ": ", name,
-                " must be non-decreasing (cumulative sequence lengths)");
-    // (With seqused_k, a sequence's keys are those it uses.)
-    const at::Tensor used = cu == &batch.cu_seqlens_k && batch.seqused_k.has_value()
-                                ? batch.seqused_k->to(at::kLong)
-                                : lengths;
-    const int64_t longest = used.numel() ? used.max().item<int64_t>() : 0;
-    TORCH_CHECK(!paged || cu != &batch.cu_seqlens_k || longest <= total, op,
-                ": a sequence of ", longest, " keys does not fit the ", total,
-                " rows its block_table row holds");
+    int64_t longest = 0;
+    for (int64_t b = 0; b < sequences; ++b) {
+      const int64_t length = int64_t{cu[b + 1]} - cu[b];
+      TORCH_CHECK(length >= 0, op, ": ", name,
+                  " must be non-decreasing (cumulative sequence lengths)");
+      // (With seqused_k, a sequence's keys are those it uses.)
+      longest = std::max<int64_t>(longest, keys && used ? used[b] : length);
+    }
+    TORCH_CHECK(!paged || !keys || longest <= total, op, ": a sequence of ", longest,
+                " keys does not fit the ", total, " rows its block_table row holds");
     TORCH_CHECK(longest <= max_len, op, ": ", max_name, " = ", max_len,
                 " is smaller than the longest sequence in ", name, " (", longest, ")");
   }

@@ -70,7 +70,13 @@ bool packs_query_heads(const at::Tensor& query, const at::Tensor& key, const Pac
   const int64_t h_kv = key.size(batch.block_table.has_value() ? 2 : 1);
   if (!query.is_cpu() || query.size(0) != b || b < 1) return false;
   if (!one_row_heads_pack(query.size(1), h_kv, is_causal, v, dropout_p)) return false;
-  return at::equal(batch.cu_seqlens_q, at::arange(b + 1, batch.cu_seqlens_q.options()));
+  // (one query row per sequence: cu_seqlens_q = 0, 1, .., B; read in place)
+  const at::Tensor cu = batch.cu_seqlens_q.contiguous();
+  const int32_t* row = cu.const_data_ptr<int32_t>();
+  for (int64_t i = 0; i <= b; ++i) {
+    if (row[i] != i) return false;
+  }
+  return true;
 }
 
 AttentionCall::AttentionCall(const char* op, const at::Tensor& query, const at::Tensor& key,

@@ -66,6 +66,22 @@ at::Tensor per_sequence(const OptTensor& t, int64_t B, int64_t fallback, const c
   return t->to(device, at::kInt);
 }
 
+// The values of a small integer tensor on the CPU (lengths, indices), read
+// once: checked and summed in plain loops, where each ATen reduction and
+// .item() cost microseconds, tens of them per decoding step.
+std::vector<int64_t> host_values(const at::Tensor& t) {
+  const at::Tensor c = t.to(at::kLong).contiguous();
+  const int64_t* x = c.const_data_ptr<int64_t>();
+  return std::vector<int64_t>(x, x + c.numel());
+}
+
+// An int32 tensor on the CPU holding `values`.
+at::Tensor int32_tensor(const std::vector<int64_t>& values) {
+  at::Tensor t = at::empty({static_cast<int64_t>(values.size())}, at::kInt);
+  std::copy(values.begin(), values.end(), t.mutable_data_ptr<int32_t>());
+  return t;
+}
+
 // The dims of two views with the same strides, as the ranges of index
 // differences j (a's index minus b's) along each, sorted by stride; empty
 // when a stride is not positive or the dims do not nest (each stride past
@@ -178,18 +194,28 @@ void check_caches(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
 }
 
 // The attention over the caches once the new rows are in: `used` keys per
-// sequence, from its left padding.
+// sequence, from its left padding. On the CPU, used_host and leftpad_host
+// hold their values (empty elsewhere).
 std::tuple<at::Tensor, at::Tensor> attend(
     const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-    const at::Tensor& used, const at::Tensor& leftpad, const at::Tensor& batch_idx, bool paged,
+    const at::Tensor& used, const at::Tensor& leftpad, const std::vector<int64_t>& used_host,
+    const std::vector<int64_t>& leftpad_host, const at::Tensor& batch_idx, bool paged,
     bool chosen_caches, bool has_leftpad, const OptTensor& block_table, int64_t page,
     int64_t rows_per_sequence, std::optional<double> scale, bool is_causal,
     const AttentionVariants& variants) {
   const int64_t B = query.size(0), L = query.size(1);
   const at::Device device = query.device();
+  const bool on_cpu = device.is_cpu();
 
   const auto int32 = at::TensorOptions(device).dtype(at::kInt);
-  const at::Tensor cu_q = at::arange(B + 1, int32).mul(L);
+  // Cumulative lengths: (on the CPU, from the values read once)
+  auto cumulative = [&](const std::vector<int64_t>& lengths) {
+    std::vector<int64_t> cu(lengths.size() + 1, 0);
+    for (size_t b = 0; b < lengths.size(); ++b) cu[b + 1] = cu[b] + lengths[b];
+    return int32_tensor(cu);
+  };
+  const at::Tensor cu_q =
+      on_cpu ? cumulative(std::vector<int64_t>(B, L)) : at::arange(B + 1, int32).mul(L);
   const at::Tensor packed_q = query.reshape({B * L, query.size(2), query.size(3)});
   // (B·L rows, H) out and (H, B·L) lse as flash_attn returns them: (B, L, H, E), (B, H, L).
   // (contiguous, whichever path ran: the meta kernel cannot know which)
@@ -198,12 +224,17 @@ std::tuple<at::Tensor, at::Tensor> attend(
                            lse.view({lse.size(0), B, L}).transpose(0, 1).contiguous());
   };
   // (on the meta device nothing can be read: any left padding is taken as some)
-  const bool no_leftpad = !has_leftpad || (!device.is_meta() && !leftpad.any().item<bool>());
+  const bool no_leftpad =
+      !has_leftpad ||
+      (on_cpu ? std::all_of(leftpad_host.begin(), leftpad_host.end(),
+                            [](int64_t x) { return x == 0; })
+              : !device.is_meta() && !leftpad.any().item<bool>());
   // (caches of no rows are no pages: they take the last path)
   if (paged || (chosen_caches && no_leftpad && page > 0)) {
     // A block table; caches chosen by cache_batch_idx are each one page.
     const at::Tensor table = paged ? *block_table : batch_idx.to(at::kInt).view({B, 1});
-    const at::Tensor cu_k = at::cat({at::zeros({1}, int32), used.cumsum(0).to(at::kInt)});
+    const at::Tensor cu_k = on_cpu ? cumulative(used_host)
+                                   : at::cat({at::zeros({1}, int32), used.cumsum(0).to(at::kInt)});
     auto [out, lse, rng] = varlen_attention_forward(packed_q, k_cache, v_cache, cu_q, cu_k, L,
                                                     rows_per_sequence, 0.0, is_causal, scale,
                                                     variants, std::nullopt, table);
@@ -212,8 +243,9 @@ std::tuple<at::Tensor, at::Tensor> attend(
   // (caches chosen by cache_batch_idx, with left padding: copied)
   const at::Tensor keys = chosen_caches ? k_cache.index_select(0, batch_idx) : k_cache.narrow(0, 0, B);
   const at::Tensor values = chosen_caches ? v_cache.index_select(0, batch_idx) : v_cache.narrow(0, 0, B);
-  if (device.is_cpu() && B > 0 && no_leftpad && used.eq(used[0]).all().item<bool>()) {
-    const int64_t n = used[0].item<int64_t>();
+  if (on_cpu && B > 0 && no_leftpad &&
+      std::all_of(used_host.begin(), used_host.end(), [&](int64_t x) { return x == used_host[0]; })) {
+    const int64_t n = used_host[0];
     const at::Tensor qh = query.transpose(1, 2);
     const at::Tensor kh = keys.narrow(1, 0, n).transpose(1, 2), vh = values.narrow(1, 0, n).transpose(1, 2);
     auto [out, lse, rng] = attention_forward(qh, kh, vh, std::nullopt, 0.0, is_causal, scale,
@@ -301,20 +333,30 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_composite(
       cache_batch_idx.has_value()
           ? per_sequence(cache_batch_idx, B, 0, "cache_batch_idx", device).to(at::kLong)
           : at::arange(B, at::TensorOptions(device).dtype(at::kLong));
+  std::vector<int64_t> lens, pads;  // (on the CPU: seqlens and leftpad, read once)
   if (device.is_cpu()) {  // (on a GPU, reading them would wait for it)
-    TORCH_CHECK(seqlens.add(added).le(rows_per_sequence).all().item<bool>() &&
-                    leftpad.ge(0).all().item<bool>() && leftpad.le(seqlens).all().item<bool>(),
-                kOp, ": cache_seqlens + ", added, " new rows must fit the cache's ",
-                rows_per_sequence, " rows per sequence, and 0 <= cache_leftpad <= cache_seqlens");
-    TORCH_CHECK(B == 0 || (batch_idx.min().item<int64_t>() >= 0 &&
-                           batch_idx.max().item<int64_t>() < k_cache.size(0)),
-                kOp, ": expected cache_batch_idx in [0, ", k_cache.size(0), ")");
-    TORCH_CHECK(!paged || block_table->numel() == 0 ||
-                    (block_table->min().item<int>() >= 0 &&
-                     block_table->max().item<int>() < k_cache.size(0)),
-                kOp, ": expected block_table's pages in [0, ", k_cache.size(0), ")");
+    lens = host_values(seqlens);
+    pads = host_values(leftpad);
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(lens[b] + added <= rows_per_sequence && pads[b] >= 0 && pads[b] <= lens[b], kOp,
+                  ": cache_seqlens + ", added, " new rows must fit the cache's ",
+                  rows_per_sequence, " rows per sequence, and 0 <= cache_leftpad <= cache_seqlens");
+    }
+    for (const int64_t i : host_values(batch_idx)) {
+      TORCH_CHECK(i >= 0 && i < k_cache.size(0), kOp, ": expected cache_batch_idx in [0, ",
+                  k_cache.size(0), ")");
+    }
+    if (paged) {
+      const at::Tensor table = block_table->contiguous();
+      const int32_t* entry = table.const_data_ptr<int32_t>();
+      TORCH_CHECK(std::all_of(entry, entry + table.numel(),
+                              [&](int32_t x) { return x >= 0 && x < k_cache.size(0); }),
+                  kOp, ": expected block_table's pages in [0, ", k_cache.size(0), ")");
+    }
     if (rotary_cos.has_value() && B > 0) {
-      const int64_t last = seqlens.sub(leftpad).max().item<int64_t>() + std::max(L, added) - 1;
+      int64_t last = 0;
+      for (int64_t b = 0; b < B; ++b) last = std::max(last, lens[b] - pads[b]);
+      last += std::max(L, added) - 1;
       TORCH_CHECK(last < rotary_cos->size(0), kOp, ": rotary_cos and rotary_sin have ",
                   rotary_cos->size(0), " positions; this call reaches position ", last);
     }
@@ -355,8 +397,11 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_composite(
     v_cache.index_put_(where, v->to(v_cache.scalar_type()));
   }
   try {
-    return attend(query, k_cache, v_cache, seqlens.add(added), leftpad, batch_idx, paged,
-                  cache_batch_idx.has_value(), cache_leftpad.has_value(), block_table, page,
+    std::vector<int64_t> used_host = lens;
+    for (int64_t& n : used_host) n += added;
+    return attend(query, k_cache, v_cache, seqlens.add(added), leftpad, used_host, pads,
+                  batch_idx, paged, cache_batch_idx.has_value(), cache_leftpad.has_value(),
+                  block_table, page,
                   rows_per_sequence, scale, is_causal,
                   {window_left, window_right, /*bottom_right=*/true, softcap, alibi_slopes, sinks});
   } catch (const c10::Error& e) {

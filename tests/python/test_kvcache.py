@@ -272,6 +272,10 @@ def test_views_of_one_buffer_share_memory_only_where_they_meet():
     (dict(k=torch.randn(2, 1, H_KV + 1, E)), "H_kv, E, Ev of the caches"),
     (dict(cache_batch_idx=torch.tensor([0, 5], dtype=torch.int32)), r"cache_batch_idx in \[0, 3\)"),
     (dict(rotary_cos=torch.ones(4, 4), rotary_sin=torch.zeros(4, 4)), "rotary_cos and rotary_sin have 4 positions"),
+    (dict(cache_seqlens=torch.tensor([3, 40], dtype=torch.int32)), "must fit the cache's 40 rows"),
+    (dict(cache_leftpad=torch.tensor([0, 10], dtype=torch.int32)), "cache_leftpad <= cache_seqlens"),
+    (dict(cache_leftpad=torch.tensor([-1, 0], dtype=torch.int32)), "0 <= cache_leftpad"),
+    (dict(block_table=torch.tensor([[0], [7]], dtype=torch.int32)), r"block_table's pages in \[0, 3\)"),
 ])
 def test_a_refused_call_leaves_the_caches_as_they_were(bad, message):
     """Every check, the attention kernels' too, comes before the caches are written, or the

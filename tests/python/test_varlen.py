@@ -207,6 +207,8 @@ def test_rows_no_sequence_covers_are_zero():
     (dict(max_seqlen_q=2), "max_seqlen_q = 2 is smaller"),
     (dict(max_seqlen_k=3), "max_seqlen_k = 3 is smaller"),
     (dict(seqused_k=torch.tensor([1, 9, 1], dtype=torch.int32)), "seqused_k"),
+    (dict(seqused_k=torch.tensor([1, -1, 1], dtype=torch.int32)), "seqused_k must be >= 0"),
+    (dict(cu_seqlens_q=torch.tensor([-1, 3, 5, 7], dtype=torch.int32)), "within the"),
     (dict(k=torch.randn(11, 3, 16), v=torch.randn(11, 3, 16)), "multiple"),
     (dict(q=torch.randn(7, 4, 8)), "last dim"),
     (dict(alibi_slopes=torch.rand(2, 4)), "alibi_slopes"),
@@ -279,6 +281,10 @@ def test_a_block_table_out_of_range_is_refused():
     with pytest.raises(RuntimeError, match=r"page indices in \[0, 2\)"):
         fusedmha.flash_attn_varlen_func(q, pages, pages, cu_q, cu_k, 3, 4,
                                         block_table=torch.tensor([[2]], dtype=torch.int32))
+    long_k = torch.tensor([0, 40], dtype=torch.int32)  # more keys than one page of 16 holds
+    with pytest.raises(RuntimeError, match="a sequence of 40 keys does not fit the 16 rows"):
+        fusedmha.flash_attn_varlen_func(q, pages, pages, cu_q, long_k, 3, 40,
+                                        block_table=torch.tensor([[1]], dtype=torch.int32))
 
 
 @pytest.mark.parametrize("causal", [False, True])
