@@ -230,7 +230,12 @@ class ForwardKernel {
             tiles_.key_rows_of(Tiles::KeySide::K, o, k0, cols, p_.dim_qk, false, ws_.k, &ldk);
         tiles_.few_row_scores(k, ldk, cols, head_rows(h, bq), rows, bq, ws_.st, ws_.kt, pq);
         tiles_.transform_scores(o, 0, rows, bq, k0, cols, ws_.st, ws_.mt);
-        softmax_step(bq, cols, st);
+        // (Up to w rows, such as a GQA group's 4: one vector of lanes, not two.)
+        if (rows <= w) {
+          softmax_step<1>(bq, cols, st);
+        } else {
+          softmax_step(bq, cols, st);
+        }
         if (k0 != kv_begin) rescale_output(0, rows, st);  // (the first block's output is 0)
         const acc_t* v =
             tiles_.key_rows_of(Tiles::KeySide::V, o, k0, cols, p_.dim_v, true, ws_.v, &ldv);
@@ -440,63 +445,66 @@ class ForwardKernel {
   // (a shared mask's tile, laid out like Sᵀ), they are added to the scores
   // first, in the pass that finds the max. (The max passes over NaN scores:
   // their exp is NaN, which makes the row's sum NaN, and write_output turns
-  // that into a NaN row.)
+  // that into a NaN row.) The scores are Sᵀ's rows of bq lanes (ld = bq);
+  // the first kVectors·w lanes of each: a panel (kVectors = 2, two
+  // independent dependency chains), or where one vector holds every query
+  // (decoding's few rows), that one alone.
+  template <int kVectors = 2>
   void softmax_step(int64_t bq, int64_t cols, const RowState<acc_t>& st,
                     const acc_t* terms = nullptr) {
-    // Two vectors of queries at a time: two independent dependency chains,
-    // and each key row of Sᵀ is read as one contiguous panel.
+    static_assert(kVectors * w <= nr, "one panel at most");
     const Vec vneg_inf(neg_inf<acc_t>()), zero(acc_t(0));
-    for (int64_t c = 0; c < bq; c += nr) {
-      const Vec m_old0 = Vec::loadu(st.m + c), m_old1 = Vec::loadu(st.m + c + w);
-      Vec max0 = m_old0, max1 = m_old1;
-      if (terms) {
-        for (int64_t j = 0; j < cols; ++j) {
-          acc_t* s = ws_.st + j * bq + c;
-          const acc_t* t = terms + j * bq + c;
-          const Vec s0 = Vec::loadu(s) + Vec::loadu(t), s1 = Vec::loadu(s + w) + Vec::loadu(t + w);
-          s0.store(s);
-          s1.store(s + w);
-          max0 = max_of_numbers(s0, max0);
-          max1 = max_of_numbers(s1, max1);
-        }
-      } else {
-        for (int64_t j = 0; j < cols; ++j) {
-          const acc_t* s = ws_.st + j * bq + c;
-          max0 = max_of_numbers(Vec::loadu(s), max0);
-          max1 = max_of_numbers(Vec::loadu(s + w), max1);
+    Vec m_old[kVectors], max[kVectors], use[kVectors], sum[kVectors];
+#pragma GCC unroll 2
+    for (int v = 0; v < kVectors; ++v) max[v] = m_old[v] = Vec::loadu(st.m + v * w);
+    if (terms) {
+      for (int64_t j = 0; j < cols; ++j) {
+        acc_t* s = ws_.st + j * bq;
+        const acc_t* t = terms + j * bq;
+#pragma GCC unroll 2
+        for (int v = 0; v < kVectors; ++v) {
+          const Vec x = Vec::loadu(s + v * w) + Vec::loadu(t + v * w);
+          x.store(s + v * w);
+          max[v] = max_of_numbers(x, max[v]);
         }
       }
-      // The running max moves only when the block's max passes it by more
-      // than kRescaleSlack: otherwise the old one stays, alpha is exactly 1
-      // and the output needs no rescaling pass (probabilities of up to 256
-      // relative to the max kept are well within range, and the sum and
-      // lse stay exact for any reference). A max of −inf, NaN or +inf
-      // always moves (the compare is false).
-      const Vec slack(static_cast<acc_t>(kRescaleSlack));
-      max0 = Vec::blendv(max0, m_old0, (max0 - m_old0) <= slack);
-      max1 = Vec::blendv(max1, m_old1, (max1 - m_old1) <= slack);
+    } else {
+      for (int64_t j = 0; j < cols; ++j) {
+        const acc_t* s = ws_.st + j * bq;
+#pragma GCC unroll 2
+        for (int v = 0; v < kVectors; ++v) max[v] = max_of_numbers(Vec::loadu(s + v * w), max[v]);
+      }
+    }
+    // The running max moves only when the block's max passes it by more
+    // than kRescaleSlack: otherwise the old one stays, alpha is exactly 1
+    // and the output needs no rescaling pass (probabilities of up to 256
+    // relative to the max kept are well within range, and the sum and
+    // lse stay exact for any reference). A max of −inf, NaN or +inf
+    // always moves (the compare is false).
+    const Vec slack(static_cast<acc_t>(kRescaleSlack));
+#pragma GCC unroll 2
+    for (int v = 0; v < kVectors; ++v) {
+      max[v] = Vec::blendv(max[v], m_old[v], (max[v] - m_old[v]) <= slack);
       // A query that has seen no attendable key yet keeps max -inf; subtract
       // 0 instead so that exp gives 0 rather than NaN.
-      const Vec use0 = Vec::blendv(max0, zero, max0 == vneg_inf);
-      const Vec use1 = Vec::blendv(max1, zero, max1 == vneg_inf);
-      Vec sum0 = zero, sum1 = zero;
-      for (int64_t j = 0; j < cols; ++j) {
-        acc_t* s = ws_.st + j * bq + c;
-        const Vec e0 = exp_of_difference(Vec::loadu(s), use0);
-        const Vec e1 = exp_of_difference(Vec::loadu(s + w), use1);
-        e0.store(s);
-        e1.store(s + w);
-        sum0 = sum0 + e0;
-        sum1 = sum1 + e1;
+      use[v] = Vec::blendv(max[v], zero, max[v] == vneg_inf);
+      sum[v] = zero;
+    }
+    for (int64_t j = 0; j < cols; ++j) {
+      acc_t* s = ws_.st + j * bq;
+#pragma GCC unroll 2
+      for (int v = 0; v < kVectors; ++v) {
+        const Vec e = exp_of_difference(Vec::loadu(s + v * w), use[v]);
+        e.store(s + v * w);
+        sum[v] = sum[v] + e;
       }
-      const Vec alpha0 = exp_of_difference(m_old0, use0);
-      const Vec alpha1 = exp_of_difference(m_old1, use1);
-      (Vec::loadu(st.l + c) * alpha0 + sum0).store(st.l + c);
-      (Vec::loadu(st.l + c + w) * alpha1 + sum1).store(st.l + c + w);
-      max0.store(st.m + c);
-      max1.store(st.m + c + w);
-      alpha0.store(st.alpha + c);
-      alpha1.store(st.alpha + c + w);
+    }
+#pragma GCC unroll 2
+    for (int v = 0; v < kVectors; ++v) {
+      const Vec alpha = exp_of_difference(m_old[v], use[v]);
+      (Vec::loadu(st.l + v * w) * alpha + sum[v]).store(st.l + v * w);
+      max[v].store(st.m + v * w);
+      alpha.store(st.alpha + v * w);
     }
   }
 

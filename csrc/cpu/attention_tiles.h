@@ -704,14 +704,18 @@ class TileReader {
         }
       }
     }
-    for (; i < padded_rows; ++i) {
+    for (; i < rows; ++i) {
       acc_t* d = dst + (i / nr) * dim * nr + i % nr;
-      if (i < rows) {
-        const scalar_t* src = first + i * t.row_stride;
-        for (int64_t e = 0; e < dim; ++e) d[e * nr] = static_cast<acc_t>(src[e]) * scale;
-      } else {
-        for (int64_t e = 0; e < dim; ++e) d[e * nr] = acc_t(0);
-      }
+      const scalar_t* src = first + i * t.row_stride;
+      for (int64_t e = 0; e < dim; ++e) d[e * nr] = static_cast<acc_t>(src[e]) * scale;
+    }
+    // The padding, lanes rows..padded_rows of each dim's panel row: a run of
+    // contiguous lanes each (not one strided store per lane: decoding's 4
+    // query rows in 32 lanes spent more here than on their scores).
+    for (; i < padded_rows; i = round_up(i + 1, nr)) {
+      const int64_t end = std::min(round_up(i + 1, nr), padded_rows);
+      acc_t* d = dst + (i / nr) * dim * nr + i % nr;
+      for (int64_t e = 0; e < dim; ++e) std::fill(d + e * nr, d + e * nr + (end - i), acc_t(0));
     }
   }
 
