@@ -292,6 +292,44 @@ def test_a_refused_call_leaves_the_caches_as_they_were(bad, message):
     assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_the_append_is_the_same_whatever_the_cache_strides(paged):
+    """Caches whose rows (H_kv, E) are contiguous take row copies, others index_put_: the
+    same rows land in the same places, in the cache's dtype, and a refused call undoes
+    either (rows written twice, by two sequences sharing a cache, included)."""
+    q = torch.randn(2, 1, H, E, dtype=torch.float64)
+    k, v = torch.randn(2, 2, H_KV, E), torch.randn(2, 2, H_KV, E)  # float32 into float64
+    caches = {}
+    for layout in ("rows", "strided"):
+        k_cache, v_cache = (torch.randn(3, 16, H_KV, E, dtype=torch.float64,
+                                        generator=torch.Generator().manual_seed(seed))
+                            for seed in (1, 2))
+        if layout == "strided":  # (each row's E elements H_kv apart)
+            k_cache, v_cache = (t.transpose(2, 3).contiguous().transpose(2, 3) for t in (k_cache, v_cache))
+        kw = dict(cache_seqlens=torch.tensor([3, 15 if paged else 9], dtype=torch.int32))
+        if paged:
+            kw["block_table"] = torch.tensor([[2, 0], [1, 0]], dtype=torch.int32)
+        else:
+            kw["cache_batch_idx"] = torch.tensor([2, 0], dtype=torch.int32)
+        out = fusedmha.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, **kw)
+        caches[layout] = (k_cache, v_cache, out)
+        # Refused by the attention, after the append (queries of another head dim), with
+        # both sequences on cache 0's rows 3-4:
+        before = k_cache.clone(), v_cache.clone()
+        kw.pop("block_table", None)
+        kw.update(cache_batch_idx=torch.tensor([0, 0], dtype=torch.int32),
+                  cache_seqlens=torch.tensor([3, 3], dtype=torch.int32))
+        with pytest.raises(RuntimeError, match="last dim"):
+            fusedmha.flash_attn_with_kvcache(torch.randn(2, 1, H, E + 1, dtype=torch.float64),
+                                             k_cache, v_cache, k, v, **kw)
+        assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+    for a, b in zip(caches["rows"], caches["strided"]):
+        assert torch.equal(a, b)
+    k_cache = caches["rows"][0]
+    if not paged:
+        assert torch.equal(k_cache[2, 3:5], k[0].double()) and torch.equal(k_cache[0, 9:11], k[1].double())
+
+
 def test_meta_outputs_are_laid_out_as_on_the_cpu():
     """The output (B, L, H, E) and the lse (B, H, L) are contiguous whichever kernel path runs,
     so the meta device (torch.compile's fake tensors) can give the CPU's strides."""
