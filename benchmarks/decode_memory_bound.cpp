@@ -15,7 +15,9 @@
 //    4·E per key for P·V: 4096 8-wide FMAs per head's block), as independent
 //    chains, with the next (head, block)'s K/V prefetched a line at a time
 //    over those FMAs: not at all, with prefetcht0, or with prefetcht1.
-// The last rows bound what any decode kernel of this shape reaches here.
+// The last rows model what a decode kernel of this shape reaches here; a
+// model, not a hard bound: on a Zen 4 EPYC (2 threads) they read 18-20 GB/s
+// while the kernel, prefetching into L2 only, read 21-22 at S=32768.
 //
 //   g++ -O2 -mavx2 -mfma -pthread benchmarks/decode_memory_bound.cpp -o /tmp/decode_bound
 //   /tmp/decode_bound [threads...]      (default: 1 2)
