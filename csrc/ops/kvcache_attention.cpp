@@ -174,6 +174,7 @@ class RowAppend {
   RowAppend(at::Tensor& cache, const at::Tensor& rows,
             const std::vector<std::pair<int64_t, int64_t>>& places)
       : row_bytes_(cache.size(2) * cache.size(3) * cache.element_size()) {
+    if (row_bytes_ == 0) return;  // (rows of no elements: nothing to copy, no buffers)
     const at::Tensor src = rows.to(cache.scalar_type()).contiguous();
     const char* from = static_cast<const char*>(src.const_data_ptr());
     char* base = static_cast<char*>(cache.mutable_data_ptr());

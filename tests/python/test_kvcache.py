@@ -330,6 +330,16 @@ def test_the_append_is_the_same_whatever_the_cache_strides(paged):
         assert torch.equal(k_cache[2, 3:5], k[0].double()) and torch.equal(k_cache[0, 9:11], k[1].double())
 
 
+@pytest.mark.parametrize("h_kv, e", [(2, 0), (0, 16)])
+def test_an_append_of_empty_rows(h_kv, e):
+    """Rows of no elements (a head dim or K/V head count of 0): nothing to copy, no error."""
+    q = torch.randn(1, 1, 2 * h_kv, e)
+    k_cache, v_cache = torch.zeros(1, 8, h_kv, e), torch.zeros(1, 8, h_kv, e)
+    k, v = torch.randn(1, 1, h_kv, e), torch.randn(1, 1, h_kv, e)
+    out = fusedmha.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=3)
+    assert out.shape == (1, 1, 2 * h_kv, e)
+
+
 def test_meta_outputs_are_laid_out_as_on_the_cpu():
     """The output (B, L, H, E) and the lse (B, H, L) are contiguous whichever kernel path runs,
     so the meta device (torch.compile's fake tensors) can give the CPU's strides."""
