@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cstring>
 #include <functional>
+#include <numeric>
 #include <optional>
 #include <vector>
 
@@ -55,10 +56,26 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return at::cat({rotated.to(x.scalar_type()), x.narrow(-1, 2 * half, x.size(-1) - 2 * half)}, -1);
 }
 
+// A tensor on the CPU of dtype int32 (or int64) holding `values`.
+at::Tensor host_tensor(const std::vector<int64_t>& values, at::ScalarType dtype = at::kInt) {
+  at::Tensor t = at::empty({static_cast<int64_t>(values.size())}, dtype);
+  if (dtype == at::kLong) {
+    std::copy(values.begin(), values.end(), t.mutable_data_ptr<int64_t>());
+  } else {
+    std::copy(values.begin(), values.end(), t.mutable_data_ptr<int32_t>());
+  }
+  return t;
+}
+
 // An int32 (B) tensor of per-sequence values on device, or `fallback` for all.
+// (On the CPU filled in a loop: each ATen call costs microseconds of a
+// decoding step, tens of them when the step finds the caches cold.)
 at::Tensor per_sequence(const OptTensor& t, int64_t B, int64_t fallback, const char* name,
                         const at::Device& device) {
-  if (!t.has_value()) return at::full({B}, fallback, at::TensorOptions(device).dtype(at::kInt));
+  if (!t.has_value()) {
+    if (device.is_cpu()) return host_tensor(std::vector<int64_t>(B, fallback));
+    return at::full({B}, fallback, at::TensorOptions(device).dtype(at::kInt));
+  }
   TORCH_CHECK(t->dim() == 1 && t->size(0) == B && !at::isFloatingType(t->scalar_type()), kOp,
               ": expected ", name, " as an integer tensor of shape (B) = (", B, "), got ",
               t->scalar_type(), " of shape ", t->sizes());
@@ -70,17 +87,26 @@ at::Tensor per_sequence(const OptTensor& t, int64_t B, int64_t fallback, const c
 // The values of a small integer tensor on the CPU (lengths, indices), read
 // once: checked and summed in plain loops, where each ATen reduction and
 // .item() cost microseconds, tens of them per decoding step.
+// 0, 1, ..., n - 1.
+std::vector<int64_t> first_integers(int64_t n) {
+  std::vector<int64_t> x(n);
+  std::iota(x.begin(), x.end(), int64_t{0});
+  return x;
+}
+
+// (int32 and int64 read in place, without a conversion op.)
 std::vector<int64_t> host_values(const at::Tensor& t) {
+  if (t.is_contiguous() && t.scalar_type() == at::kInt) {
+    const int32_t* x = t.const_data_ptr<int32_t>();
+    return std::vector<int64_t>(x, x + t.numel());
+  }
+  if (t.is_contiguous() && t.scalar_type() == at::kLong) {
+    const int64_t* x = t.const_data_ptr<int64_t>();
+    return std::vector<int64_t>(x, x + t.numel());
+  }
   const at::Tensor c = t.to(at::kLong).contiguous();
   const int64_t* x = c.const_data_ptr<int64_t>();
   return std::vector<int64_t>(x, x + c.numel());
-}
-
-// An int32 tensor on the CPU holding `values`.
-at::Tensor int32_tensor(const std::vector<int64_t>& values) {
-  at::Tensor t = at::empty({static_cast<int64_t>(values.size())}, at::kInt);
-  std::copy(values.begin(), values.end(), t.mutable_data_ptr<int32_t>());
-  return t;
 }
 
 // The dims of two views with the same strides, as the ranges of index
@@ -236,12 +262,14 @@ void check_caches(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   }
 }
 
-// The attention over the caches once the new rows are in: `used` keys per
-// sequence, from its left padding. On the CPU, used_host and leftpad_host
-// hold their values (empty elsewhere).
+// The attention over the caches once the new rows are in: seqlens + added
+// keys per sequence, from its left padding. On the CPU, used_host and
+// leftpad_host hold their values (empty elsewhere), and tensors are made
+// only where a path needs them (each ATen call costs microseconds of a
+// decoding step, tens of them when the step finds the caches cold).
 std::tuple<at::Tensor, at::Tensor> attend(
     const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-    const at::Tensor& used, const at::Tensor& leftpad, const std::vector<int64_t>& used_host,
+    const at::Tensor& seqlens, int64_t added, const at::Tensor& leftpad, const std::vector<int64_t>& used_host,
     const std::vector<int64_t>& leftpad_host, const at::Tensor& batch_idx, bool paged,
     bool chosen_caches, bool has_leftpad, const OptTensor& block_table, int64_t page,
     int64_t rows_per_sequence, std::optional<double> scale, bool is_causal,
@@ -255,11 +283,13 @@ std::tuple<at::Tensor, at::Tensor> attend(
   auto cumulative = [&](const std::vector<int64_t>& lengths) {
     std::vector<int64_t> cu(lengths.size() + 1, 0);
     for (size_t b = 0; b < lengths.size(); ++b) cu[b + 1] = cu[b] + lengths[b];
-    return int32_tensor(cu);
+    return host_tensor(cu);
   };
-  const at::Tensor cu_q =
-      on_cpu ? cumulative(std::vector<int64_t>(B, L)) : at::arange(B + 1, int32).mul(L);
-  const at::Tensor packed_q = query.reshape({B * L, query.size(2), query.size(3)});
+  auto cu_q = [&] {
+    return on_cpu ? cumulative(std::vector<int64_t>(B, L)) : at::arange(B + 1, int32).mul(L);
+  };
+  auto packed_q = [&] { return query.reshape({B * L, query.size(2), query.size(3)}); };
+  auto used = [&] { return seqlens.add(added); };
   // (B·L rows, H) out and (H, B·L) lse as flash_attn returns them: (B, L, H, E), (B, H, L).
   // (contiguous, whichever path ran: the meta kernel cannot know which)
   auto unpack = [&](const at::Tensor& out, const at::Tensor& lse) {
@@ -277,8 +307,8 @@ std::tuple<at::Tensor, at::Tensor> attend(
     // A block table; caches chosen by cache_batch_idx are each one page.
     const at::Tensor table = paged ? *block_table : batch_idx.to(at::kInt).view({B, 1});
     const at::Tensor cu_k = on_cpu ? cumulative(used_host)
-                                   : at::cat({at::zeros({1}, int32), used.cumsum(0).to(at::kInt)});
-    auto [out, lse, rng] = varlen_attention_forward(packed_q, k_cache, v_cache, cu_q, cu_k, L,
+                                   : at::cat({at::zeros({1}, int32), used().cumsum(0).to(at::kInt)});
+    auto [out, lse, rng] = varlen_attention_forward(packed_q(), k_cache, v_cache, cu_q(), cu_k, L,
                                                     rows_per_sequence, 0.0, is_causal, scale,
                                                     variants, std::nullopt, table);
     return unpack(out, lse);
@@ -297,10 +327,18 @@ std::tuple<at::Tensor, at::Tensor> attend(
   }
   const int64_t S = keys.size(1);
   const at::Tensor starts = at::cat({at::arange(B, int32).mul(S).add(leftpad), at::full({1}, B * S, int32)});
+  at::Tensor lengths;  // (each sequence's keys past its left padding)
+  if (on_cpu) {
+    std::vector<int64_t> n = used_host;
+    for (size_t b = 0; b < n.size(); ++b) n[b] -= leftpad_host[b];
+    lengths = host_tensor(n);
+  } else {
+    lengths = used().sub(leftpad).to(at::kInt);
+  }
   auto [out, lse, rng] = varlen_attention_forward(
-      packed_q, keys.reshape({B * S, keys.size(2), keys.size(3)}),
-      values.reshape({B * S, values.size(2), values.size(3)}), cu_q, starts, L, S, 0.0,
-      is_causal, scale, variants, used.sub(leftpad).to(at::kInt));
+      packed_q(), keys.reshape({B * S, keys.size(2), keys.size(3)}),
+      values.reshape({B * S, values.size(2), values.size(3)}), cu_q(), starts, L, S, 0.0,
+      is_causal, scale, variants, lengths);
   return unpack(out, lse);
 }
 
@@ -375,7 +413,8 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_composite(
   const at::Tensor batch_idx =
       cache_batch_idx.has_value()
           ? per_sequence(cache_batch_idx, B, 0, "cache_batch_idx", device).to(at::kLong)
-          : at::arange(B, at::TensorOptions(device).dtype(at::kLong));
+          : device.is_cpu() ? host_tensor(first_integers(B), at::kLong)
+                            : at::arange(B, at::TensorOptions(device).dtype(at::kLong));
   std::vector<int64_t> lens, pads, idx;  // (on the CPU: seqlens, leftpad, batch_idx, read once)
   if (device.is_cpu()) {  // (on a GPU, reading them would wait for it)
     lens = host_values(seqlens);
@@ -460,7 +499,7 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_composite(
   try {
     std::vector<int64_t> used_host = lens;
     for (int64_t& n : used_host) n += added;
-    return attend(query, k_cache, v_cache, seqlens.add(added), leftpad, used_host, pads,
+    return attend(query, k_cache, v_cache, seqlens, added, leftpad, used_host, pads,
                   batch_idx, paged, cache_batch_idx.has_value(), cache_leftpad.has_value(),
                   block_table, page,
                   rows_per_sequence, scale, is_causal,
