@@ -57,17 +57,22 @@ def scaled_dot_product_attention(
     the packed-sequence kernels: every sequence attended to on its own, no work on padding,
     forward and backward; ``attn_mask`` is not supported with them (as in PyTorch).
     """
-    variants = dict(window_left=window_left, window_right=window_right,
-                    bottom_right=bottom_right, softcap=softcap, alibi_slopes=alibi_slopes,
-                    sinks=sinks)
     if query.is_nested or key.is_nested or value.is_nested:
+        variants = dict(window_left=window_left, window_right=window_right,
+                        bottom_right=bottom_right, softcap=softcap, alibi_slopes=alibi_slopes,
+                        sinks=sinks)
         return _nested_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                  enable_gqa, variants)
-    return torch.ops.fusedmha.scaled_dot_product_attention(
-        query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa,
-        window_left=window_left, window_right=window_right, bottom_right=bottom_right,
-        softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-    )
+    op = torch.ops.fusedmha.scaled_dot_product_attention.default
+    if (window_left == -1 and window_right == -1 and not bottom_right and softcap == 0.0
+            and alibi_slopes is None and sinks is None):
+        # SDPA's own arguments, positionally: a decoding step finds this path's code and data
+        # cold, and each keyword argument parsed costs (with its share of the call's
+        # ~50 us of cache misses before the kernel starts).
+        return op(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    return op(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+              window_left=window_left, window_right=window_right, bottom_right=bottom_right,
+              softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
 
 
 def _nested_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
