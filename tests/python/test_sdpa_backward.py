@@ -172,6 +172,34 @@ def test_gradgradcheck_raises_clear_error(device):
         torch.autograd.gradgradcheck(lambda a, b, c: sdpa(a, b, c), (q, k, v))
 
 
+def test_calls_that_record_nothing_skip_autograd_alike(rand):
+    # Calls with nothing to record run below autograd (no node, nothing saved): outputs
+    # without grad_fn, equal to a recorded call's; a forward-mode tangent is still refused,
+    # not dropped; the packed-batch op alike.
+    q, k, v = rand(2, 4, 7, 16), rand(2, 2, 9, 16), rand(2, 2, 9, 16)
+    recorded = sdpa(leaf(q), k, v, enable_gqa=True)
+    assert recorded.grad_fn is not None
+    for out in (sdpa(q, k, v, enable_gqa=True), _no_grad(lambda: sdpa(leaf(q), k, v, enable_gqa=True))):
+        assert out.grad_fn is None and not out.requires_grad
+        assert torch.equal(out, recorded.detach())
+    import torch.autograd.forward_ad as fwAD
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(q, torch.randn_like(q))
+        with pytest.raises(RuntimeError, match="jvp"):
+            sdpa(dual, k, v, enable_gqa=True)
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    packed = q[0].transpose(0, 1), k[0, :, :7].transpose(0, 1), v[0, :, :7].transpose(0, 1)
+    out = torch.ops.fusedmha.varlen_attention_forward(*packed, cu, cu, 4, 4)[0]
+    with_graph = torch.ops.fusedmha.varlen_attention_forward(leaf(packed[0]), *packed[1:], cu, cu, 4, 4)[0]
+    assert out.grad_fn is None and with_graph.grad_fn is not None
+    assert torch.equal(out, with_graph.detach())
+
+
+def _no_grad(fn):
+    with torch.no_grad():
+        return fn()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_opcheck_with_autograd(dtype, device, rand):
     for args, kwargs in [
