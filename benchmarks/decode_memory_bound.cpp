@@ -19,6 +19,14 @@
 // model, not a hard bound: on a Zen 4 EPYC (2 threads) they read 18-20 GB/s
 // while the kernel, prefetching into L2 only, read 21-22 at S=32768.
 //
+// A second table walks as today's kernel does, loads only: blocks of 32
+// keys, each (head, block)'s K read in 16-row by 64-byte tiles (the key
+// transposes' order) and its V a 32-float panel at a time (P·V's), while the
+// next (head, block)'s lines go to L2 (prefetcht1) in 20 bursts (one per
+// transpose and P·V call), for the (H_kv, S, E) layout and FlashAttention's
+// (S, H_kv, E), whose rows of one head are 4 KiB apart. What this walk
+// reads is what the kernel could read with no arithmetic at all.
+//
 //   g++ -O2 -mavx2 -mfma -pthread benchmarks/decode_memory_bound.cpp -o /tmp/decode_bound
 //   /tmp/decode_bound [threads...]      (default: 1 2)
 
@@ -90,6 +98,56 @@ void walk(const float* k, const float* v, long k0, long k1, bool with_fmas) {
   sink_value += out[0];
 }
 
+constexpr long kTileBlock = 32, kBursts = 20;
+
+// Today's kernel's walk over keys [k0, k1), loads only; heads_inner: a
+// (S, H_kv, E) layout (a key's heads side by side) instead of (H_kv, S, E).
+void tile_walk(const float* k, const float* v, long k0, long k1, bool heads_inner, bool prefetch) {
+  const long ld = heads_inner ? kHeads * kDim : kDim;
+  auto row0 = [&](const float* base, long h, long key) {
+    return heads_inner ? base + (key * kHeads + h) * kDim : base + (h * kKeys + key) * kDim;
+  };
+  __m256 a = _mm256_setzero_ps(), b = a;
+  const long lines = 2 * kTileBlock * kDim / 16;  // K and V lines of one (head, block)
+  for (long key = k0; key < k1; key += kTileBlock) {
+    for (long h = 0; h < kHeads; ++h) {
+      const bool last = h + 1 == kHeads;
+      const long next_h = last ? 0 : h + 1, next_key = last ? key + kTileBlock : key;
+      const bool ahead = prefetch && next_key < k1;
+      long issued = 0;
+      auto burst = [&](long n) {  // the next (head, block)'s lines in order, K rows then V rows
+        for (long due = std::min(lines, issued + n); ahead && issued < due; ++issued) {
+          const long side = issued / (lines / 2), line = issued % (lines / 2);
+          const float* row = row0(side ? v : k, next_h, next_key + line / (kDim / 16)) ;
+          _mm_prefetch(reinterpret_cast<const char*>(row + line % (kDim / 16) * 16), _MM_HINT_T1);
+        }
+      };
+      const long per_burst = (lines + kBursts - 1) / kBursts;
+      const float* kb = row0(k, h, key);
+      for (long j0 = 0; j0 < kTileBlock; j0 += 16) {
+        for (long e0 = 0; e0 < kDim; e0 += 16) {
+          burst(per_burst);
+          for (long j = j0; j < j0 + 16; ++j) {
+            a = _mm256_add_ps(a, _mm256_loadu_ps(kb + j * ld + e0));
+            b = _mm256_add_ps(b, _mm256_loadu_ps(kb + j * ld + e0 + 8));
+          }
+        }
+      }
+      const float* vb = row0(v, h, key);
+      for (long e0 = 0; e0 < kDim; e0 += 32) {
+        burst(per_burst);
+        for (long t = 0; t < kTileBlock; ++t) {
+          for (long e = e0; e < e0 + 32; e += 8) a = _mm256_add_ps(a, _mm256_loadu_ps(vb + t * ld + e));
+        }
+      }
+      burst(lines);
+    }
+  }
+  float out[8];
+  _mm256_storeu_ps(out, _mm256_add_ps(a, b));
+  sink_value += out[0];
+}
+
 void plain_read(const float* k, const float* v, long k0, long k1) {
   __m256 a = _mm256_setzero_ps(), b = a;
   for (long h = 0; h < kHeads; ++h) {
@@ -150,6 +208,18 @@ int main(int argc, char** argv) {
     const double t0 = gbps(threads, [&](long a, long b) { walk<Prefetch::T0>(k, v, a, b, true); });
     const double t1 = gbps(threads, [&](long a, long b) { walk<Prefetch::T1>(k, v, a, b, true); });
     std::printf("%8d %11.1f %8.1f %22.1f %22.1f %22.1f\n", threads, plain, blocks, none, t0, t1);
+  }
+  std::printf("\nToday's walk (32-key blocks, key-transpose and P.V order), loads only; GB/s\n");
+  std::printf("%8s %11s %16s %16s %16s %16s\n", "threads", "plain read", "(H,S,E)", "(H,S,E) + L2 pf",
+              "(S,H,E)", "(S,H,E) + L2 pf");
+  for (int threads : thread_counts) {
+    const double plain = gbps(threads, [&](long a, long b) { plain_read(k, v, a, b); });
+    double walks[4];
+    for (int i = 0; i < 4; ++i) {
+      walks[i] = gbps(threads, [&](long a, long b) { tile_walk(k, v, a, b, i >= 2, i % 2 == 1); });
+    }
+    std::printf("%8d %11.1f %16.1f %16.1f %16.1f %16.1f\n", threads, plain, walks[0], walks[1],
+                walks[2], walks[3]);
   }
   std::free(k);
   std::free(v);

@@ -82,3 +82,29 @@ def test_generate_benchmark_smoke_run():
                          capture_output=True, text=True, timeout=600, env=dict(os.environ))
     assert res.returncode == 0, res.stderr
     assert "decode tok/s" in res.stdout and "same tokens: True" in res.stdout, res.stdout
+
+
+def test_decode_memory_bound_builds_and_runs(tmp_path):
+    """benchmarks/decode_memory_bound.cpp (plain C++, no fusedmha): builds and prints both tables."""
+    import platform
+    import shutil
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None or platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("needs a C++ compiler on x86-64 (AVX2 intrinsics)")
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read().split()
+    except OSError:
+        flags = []
+    if "avx2" not in flags or "fma" not in flags:
+        pytest.skip("this CPU lacks AVX2 or FMA")
+    exe = str(tmp_path / "decode_bound")
+    build = subprocess.run([compiler, "-O2", "-mavx2", "-mfma", "-pthread",
+                            os.path.join(ROOT, "benchmarks", "decode_memory_bound.cpp"), "-o", exe],
+                           capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr
+    res = subprocess.run([exe, "1"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "plain read" in res.stdout and "(S,H,E) + L2 pf" in res.stdout, res.stdout
+    rows = [line.split() for line in res.stdout.splitlines() if line.split()[:1] == ["1"]]
+    assert len(rows) == 2 and all(float(x) > 0 for row in rows for x in row[1:]), res.stdout
