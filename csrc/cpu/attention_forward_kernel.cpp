@@ -42,6 +42,9 @@ constexpr int64_t kFewRows = 8;
 // operations per chunk and head.)
 constexpr int64_t kMinChunkBlocks = 4;
 constexpr int64_t kMinChunkKeys = 256;
+// Decoding's softmax issues a prefetch burst every this many keys (see
+// TileReader::kScoreDimsPerBurst).
+constexpr int64_t kSoftmaxKeysPerBurst = 2;
 // Keys of the next work item prefetched into L2 (prefetch_item).
 constexpr int64_t kPrefetchKeys = 128;
 // ln 256: a running max moves only when a block's max passes it by more.
@@ -242,9 +245,9 @@ class ForwardKernel {
         tiles_.transform_scores(o, 0, rows, bq, k0, cols, ws_.st, ws_.mt);
         // (Up to w rows, such as a GQA group's 4: one vector of lanes, not two.)
         if (rows <= w) {
-          softmax_step<1>(bq, cols, st);
+          softmax_step<1>(bq, cols, st, /*terms=*/nullptr, pq);
         } else {
-          softmax_step(bq, cols, st);
+          softmax_step(bq, cols, st, /*terms=*/nullptr, pq);
         }
         if (k0 != kv_begin) rescale_output(0, rows, st);  // (the first block's output is 0)
         const acc_t* v =
@@ -311,8 +314,9 @@ class ForwardKernel {
  private:
   // Decoding: queues the keys and values of the (head, key block) after
   // head h's block at k0 into L2, paced over the bursts that h's block
-  // issues (those of its scores, few_row_bursts, and one per micro-kernel
-  // call of its P·V); the loads find them there. Into L1 (prefetcht0), each
+  // issues (those of its scores, few_row_bursts, one every
+  // kSoftmaxKeysPerBurst keys of its softmax and one per micro-kernel call
+  // of its P·V); the loads find them there. Into L1 (prefetcht0), each
   // prefetch held one of L1's few miss buffers for a trip to memory and the
   // kernel stalled on them; in a (B, S, H_kv, E) cache a head's rows are
   // 4 KiB apart, in the same L1 sets, and were evicted before their use. On
@@ -333,7 +337,8 @@ class ForwardKernel {
                             p_.dim_v);
     }
     const int64_t cols = std::min(split_.block_kv, kv_end - k0);
-    prefetch_.pace(tiles_.few_row_bursts(cols, rows) + ws_.dv / nr * div_up(rows, kMicroRows));
+    prefetch_.pace(tiles_.few_row_bursts(cols, rows) + div_up(cols, kSoftmaxKeysPerBurst) +
+                   ws_.dv / nr * div_up(rows, kMicroRows));
   }
 
   // Item i's first outer index and first query row.
@@ -459,9 +464,10 @@ class ForwardKernel {
   // the first kVectors·w lanes of each: a panel (kVectors = 2, two
   // independent dependency chains), or where one vector holds every query
   // (decoding's few rows), that one alone.
+  // (prefetch: a burst every kSoftmaxKeysPerBurst keys, decoding's.)
   template <int kVectors = 2>
   void softmax_step(int64_t bq, int64_t cols, const RowState<acc_t>& st,
-                    const acc_t* terms = nullptr) {
+                    const acc_t* terms = nullptr, PrefetchQueue* prefetch = nullptr) {
     static_assert(kVectors * w <= nr, "one panel at most");
     const Vec vneg_inf(neg_inf<acc_t>()), zero(acc_t(0));
     Vec m_old[kVectors], max[kVectors], use[kVectors], sum[kVectors];
@@ -501,6 +507,7 @@ class ForwardKernel {
       sum[v] = zero;
     }
     for (int64_t j = 0; j < cols; ++j) {
+      if (prefetch && j % kSoftmaxKeysPerBurst == 0) prefetch->issue();
       acc_t* s = ws_.st + j * bq;
 #pragma GCC unroll 2
       for (int v = 0; v < kVectors; ++v) {

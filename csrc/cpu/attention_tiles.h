@@ -811,18 +811,20 @@ class TileReader {
   //    cache read 3–13% faster with it, alternating on Zen 3.)
   void few_row_scores(const acc_t* k, int64_t ldk, int64_t cols, const acc_t* qt, int64_t rows,
                       int64_t bq, acc_t* st, acc_t* kt, PrefetchQueue* prefetch = nullptr) const {
-    if (2 * rows >= w && rows <= w) return lane_scores(k, ldk, cols, qt, bq, st, prefetch);
+    if (scores_in_lanes(rows)) return lane_scores(k, ldk, cols, qt, bq, st, prefetch);
     const int64_t d = p_.dim_qk, ldt = round_up(cols, w);
     transpose_keys(k, ldk, cols, d, kt, prefetch);
     for (int64_t j = 0; j < cols * bq; j += w) Vec(acc_t(0)).store(st + j);
     for (int64_t j0 = 0; j0 < cols; j0 += 2 * w) {
+      // (the first rows' scores carry the prefetch bursts: few_row_bursts)
+      auto bursts = [&](int64_t i) { return i == 0 ? prefetch : nullptr; };
       int64_t i = 0;
       if (j0 + w < cols) {
-        for (; i + 4 <= rows; i += 4) row_scores<4, 2>(kt, ldt, j0, cols, qt, i, bq, st);
-        for (; i < rows; ++i) row_scores<1, 2>(kt, ldt, j0, cols, qt, i, bq, st);
+        for (; i + 4 <= rows; i += 4) row_scores<4, 2>(kt, ldt, j0, cols, qt, i, bq, st, bursts(i));
+        for (; i < rows; ++i) row_scores<1, 2>(kt, ldt, j0, cols, qt, i, bq, st, bursts(i));
       } else {
-        for (; i + 4 <= rows; i += 4) row_scores<4, 1>(kt, ldt, j0, cols, qt, i, bq, st);
-        for (; i < rows; ++i) row_scores<1, 1>(kt, ldt, j0, cols, qt, i, bq, st);
+        for (; i + 4 <= rows; i += 4) row_scores<4, 1>(kt, ldt, j0, cols, qt, i, bq, st, bursts(i));
+        for (; i < rows; ++i) row_scores<1, 1>(kt, ldt, j0, cols, qt, i, bq, st, bursts(i));
       }
     }
   }
@@ -877,9 +879,26 @@ class TileReader {
 
   // The bursts of prefetches few_row_scores issues over cols keys of rows rows.
   int64_t few_row_bursts(int64_t cols, int64_t rows) const {
-    if (2 * rows >= w && rows <= w) return div_up(cols, kLaneKeys) * div_up(p_.dim_qk, kLaneSteps);
-    return div_up(cols, w) * (p_.dim_qk / w);
+    if (scores_in_lanes(rows)) return div_up(cols, kLaneKeys) * div_up(p_.dim_qk, kLaneSteps);
+    return div_up(cols, w) * (p_.dim_qk / w) +
+           (rows > 0 ? div_up(cols, 2 * w) * div_up(p_.dim_qk, kScoreDimsPerBurst) : 0);
   }
+
+  // row_scores issues a prefetch burst every kScoreDimsPerBurst dims: a
+  // burst of more lines than the core has miss buffers for stalls it until
+  // they arrive (a fifth of decoding's time sat on prefetch instructions),
+  // so decoding's next (head, block) goes out in small bursts spread over
+  // all its work. Zen 4 AVX-512, 2 threads, one query over a GQA cache of
+  // E=128, caches flushed before each call, one process alternating: with
+  // bursts only at the key transposes and P·V calls, K/V read at 16.9-18.3
+  // GB/s (S=4096) and 19.7-20.5 (32768); with these every 4 dims, 20.9-23.1
+  // and 24.4-25.9; every 8 or 16 dims fell between, every 2 was slower at
+  // 32768; the softmax's every 2 keys (ForwardKernel) add 1-9%.
+  static constexpr int64_t kScoreDimsPerBurst = 4;
+
+  // Whether few_row_scores takes lane_scores for `rows` rows (else the keys
+  // transposed).
+  static constexpr bool scores_in_lanes(int64_t rows) { return 2 * rows >= w && rows <= w; }
 
   // few_row_scores' scores of rows i..i+R and keys j0..j0+V·w (those below
   // cols): R·V independent FMA chains. Out of line, as gemm: inlined into
@@ -887,7 +906,8 @@ class TileReader {
   template <int R, int V>
   __attribute__((noinline)) void row_scores(const acc_t* kt, int64_t ldt, int64_t j0,
                                             int64_t cols, const acc_t* qt, int64_t i,
-                                            int64_t bq, acc_t* st) const {
+                                            int64_t bq, acc_t* st,
+                                            PrefetchQueue* prefetch) const {
     const int64_t d = p_.dim_qk;
     const acc_t* q = qt + i;  // (row i + r, dim e at q[e·nr + r])
     // In chunks of kSumChunk dims, as the micro-kernel sums (the same bits).
@@ -905,6 +925,7 @@ class TileReader {
         }
       }
       for (int64_t e = e0, e1 = std::min(d, e0 + kSumChunk); e < e1; ++e) {
+        if (prefetch && e % kScoreDimsPerBurst == 0) prefetch->issue();
         Vec k[V];
 #pragma GCC unroll 2
         for (int v = 0; v < V; ++v) k[v] = Vec::loadu(kt + e * ldt + j0 + v * w);
