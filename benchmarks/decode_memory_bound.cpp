@@ -22,8 +22,10 @@
 // A second table walks as today's kernel does, loads only: blocks of 32
 // keys, each (head, block)'s K read in 16-row by 64-byte tiles (the key
 // transposes' order) and its V a 32-float panel at a time (P·V's), while the
-// next (head, block)'s lines go to L2 (prefetcht1) in 20 bursts (one per
-// transpose and P·V call), for the (H_kv, S, E) layout and FlashAttention's
+// next (head, block)'s lines go to L2 (prefetcht1) in 68 small bursts, as
+// the kernel's go out (per key transpose, every 4 dims of the scores, every
+// 2 keys of the softmax, per P·V call: here every 4 rows of a key tile and
+// per V panel), for the (H_kv, S, E) layout and FlashAttention's
 // (S, H_kv, E), whose rows of one head are 4 KiB apart. What this walk
 // reads is what the kernel could read with no arithmetic at all.
 //
@@ -98,7 +100,7 @@ void walk(const float* k, const float* v, long k0, long k1, bool with_fmas) {
   sink_value += out[0];
 }
 
-constexpr long kTileBlock = 32, kBursts = 20;
+constexpr long kTileBlock = 32, kBursts = 68;
 
 // Today's kernel's walk over keys [k0, k1), loads only; heads_inner: a
 // (S, H_kv, E) layout (a key's heads side by side) instead of (H_kv, S, E).
@@ -126,8 +128,8 @@ void tile_walk(const float* k, const float* v, long k0, long k1, bool heads_inne
       const float* kb = row0(k, h, key);
       for (long j0 = 0; j0 < kTileBlock; j0 += 16) {
         for (long e0 = 0; e0 < kDim; e0 += 16) {
-          burst(per_burst);
           for (long j = j0; j < j0 + 16; ++j) {
+            if (j % 4 == 0) burst(per_burst);
             a = _mm256_add_ps(a, _mm256_loadu_ps(kb + j * ld + e0));
             b = _mm256_add_ps(b, _mm256_loadu_ps(kb + j * ld + e0 + 8));
           }
