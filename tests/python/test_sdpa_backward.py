@@ -172,6 +172,8 @@ def test_gradgradcheck_raises_clear_error(device):
         torch.autograd.gradgradcheck(lambda a, b, c: sdpa(a, b, c), (q, k, v))
 
 
+# (importing torch.autograd.forward_ad scripts a helper: torch.jit.script's deprecation warning)
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:FutureWarning")
 def test_calls_that_record_nothing_skip_autograd_alike(rand):
     # Calls with nothing to record run below autograd (no node, nothing saved): outputs
     # without grad_fn, equal to a recorded call's; a forward-mode tangent is still refused,
