@@ -84,9 +84,6 @@ at::Tensor per_sequence(const OptTensor& t, int64_t B, int64_t fallback, const c
   return t->to(device, at::kInt);
 }
 
-// The values of a small integer tensor on the CPU (lengths, indices), read
-// once: checked and summed in plain loops, where each ATen reduction and
-// .item() cost microseconds, tens of them per decoding step.
 // 0, 1, ..., n - 1.
 std::vector<int64_t> first_integers(int64_t n) {
   std::vector<int64_t> x(n);
@@ -94,19 +91,16 @@ std::vector<int64_t> first_integers(int64_t n) {
   return x;
 }
 
-// (int32 and int64 read in place, without a conversion op.)
+// The values of a small integer tensor on the CPU (lengths, indices), read
+// once: checked and summed in plain loops, where each ATen reduction and
+// .item() cost microseconds, tens of them per decoding step. (int32 and
+// int64 are read in place, without a conversion op.)
 std::vector<int64_t> host_values(const at::Tensor& t) {
-  if (t.is_contiguous() && t.scalar_type() == at::kInt) {
-    const int32_t* x = t.const_data_ptr<int32_t>();
-    return std::vector<int64_t>(x, x + t.numel());
-  }
-  if (t.is_contiguous() && t.scalar_type() == at::kLong) {
-    const int64_t* x = t.const_data_ptr<int64_t>();
-    return std::vector<int64_t>(x, x + t.numel());
-  }
-  const at::Tensor c = t.to(at::kLong).contiguous();
-  const int64_t* x = c.const_data_ptr<int64_t>();
-  return std::vector<int64_t>(x, x + c.numel());
+  const bool in_place = t.scalar_type() == at::kInt || t.scalar_type() == at::kLong;
+  const at::Tensor c = in_place ? t.contiguous() : t.to(at::kLong).contiguous();
+  auto values = [&](const auto* x) { return std::vector<int64_t>(x, x + c.numel()); };
+  return c.scalar_type() == at::kInt ? values(c.const_data_ptr<int32_t>())
+                                     : values(c.const_data_ptr<int64_t>());
 }
 
 // The dims of two views with the same strides, as the ranges of index
@@ -269,8 +263,8 @@ void check_caches(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
 // decoding step, tens of them when the step finds the caches cold).
 std::tuple<at::Tensor, at::Tensor> attend(
     const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-    const at::Tensor& seqlens, int64_t added, const at::Tensor& leftpad, const std::vector<int64_t>& used_host,
-    const std::vector<int64_t>& leftpad_host, const at::Tensor& batch_idx, bool paged,
+    const at::Tensor& seqlens, int64_t added, const at::Tensor& leftpad,
+    const std::vector<int64_t>& used_host, const std::vector<int64_t>& leftpad_host, const at::Tensor& batch_idx, bool paged,
     bool chosen_caches, bool has_leftpad, const OptTensor& block_table, int64_t page,
     int64_t rows_per_sequence, std::optional<double> scale, bool is_causal,
     const AttentionVariants& variants) {
