@@ -44,6 +44,20 @@ constexpr int64_t kMicroRows = 4;
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 inline int64_t div_up(int64_t x, int64_t m) { return (x + m - 1) / m; }
 
+// The register type under Vectorized<acc_t> (__m512 …; the class itself
+// where it has none), for arrays of accumulators. GCC 12 keeps such an
+// array in registers only when it holds these and every loop over it is
+// flat (nested loops are unrolled too late); otherwise, beside an inlined
+// PrefetchQueue::issue, it kept a copy in memory: a store per FMA.
+template <typename acc_t> struct Register { using type = Vectorized<acc_t>; };
+#if defined(CPU_CAPABILITY_AVX512)
+template <> struct Register<float> { using type = __m512; };
+template <> struct Register<double> { using type = __m512d; };
+#elif defined(CPU_CAPABILITY_AVX2)
+template <> struct Register<float> { using type = __m256; };
+template <> struct Register<double> { using type = __m256d; };
+#endif
+
 template <typename scalar_t> struct AccType { using type = float; };
 template <> struct AccType<double> { using type = double; };
 
@@ -892,9 +906,12 @@ class TileReader {
   // E=128, caches flushed before each call, one process alternating: with
   // bursts only at the key transposes and P·V calls, K/V read at 16.9-18.3
   // GB/s (S=4096) and 19.7-20.5 (32768); with these every 4 dims, 20.9-23.1
-  // and 24.4-25.9; every 8 or 16 dims fell between, every 2 was slower at
-  // 32768; the softmax's every 2 keys (ForwardKernel) add 1-9%.
-  static constexpr int64_t kScoreDimsPerBurst = 4;
+  // and 24.4-25.9. Since row_scores keeps its sums in registers (Register;
+  // a decode whose K/V sit in L3 runs 26-28% faster for it), every 8 dims
+  // reads 4-8% more than every 4 at 4096 and 4-13% more at 32768; every 2,
+  // 12, 16 or 32 reads less.
+  // The softmax's every 2 keys (ForwardKernel) beat every 1, 4 or none.
+  static constexpr int64_t kScoreDimsPerBurst = 8;
 
   // Whether few_row_scores takes lane_scores for `rows` rows (else the keys
   // transposed).
@@ -911,7 +928,9 @@ class TileReader {
     const int64_t d = p_.dim_qk;
     const acc_t* q = qt + i;  // (row i + r, dim e at q[e·nr + r])
     // In chunks of kSumChunk dims, as the micro-kernel sums (the same bits).
-    Vec a[R * V];
+    // The accumulators are of the register type, and every loop over them
+    // is one flat loop over t = r·V + v (see Register).
+    typename Register<acc_t>::type a[R * V];
     alignas(64) acc_t total[R * V * w];
 #pragma GCC unroll 8
     for (int t = 0; t < R * V; ++t) a[t] = Vec(acc_t(0));
@@ -919,34 +938,29 @@ class TileReader {
       if (e0 > 0) {
 #pragma GCC unroll 8
         for (int t = 0; t < R * V; ++t) {
-          if (e0 > kSumChunk) a[t] = a[t] + Vec::loadu(total + t * w);
-          a[t].store(total + t * w);
+          if (e0 > kSumChunk) a[t] = Vec(a[t]) + Vec::loadu(total + t * w);
+          Vec(a[t]).store(total + t * w);
           a[t] = Vec(acc_t(0));
         }
       }
       for (int64_t e = e0, e1 = std::min(d, e0 + kSumChunk); e < e1; ++e) {
         if (prefetch && e % kScoreDimsPerBurst == 0) prefetch->issue();
-        Vec k[V];
-#pragma GCC unroll 2
-        for (int v = 0; v < V; ++v) k[v] = Vec::loadu(kt + e * ldt + j0 + v * w);
-#pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) {
-          const Vec x(q[e * nr + r]);
-#pragma GCC unroll 2
-          for (int v = 0; v < V; ++v) a[r * V + v] = at::vec::fmadd(k[v], x, a[r * V + v]);
+        const acc_t* keys = kt + e * ldt + j0;
+#pragma GCC unroll 8
+        for (int t = 0; t < R * V; ++t) {
+          a[t] = at::vec::fmadd(Vec::loadu(keys + t % V * w), Vec(q[e * nr + t / V]), Vec(a[t]));
         }
       }
     }
     if (d > kSumChunk) {
 #pragma GCC unroll 8
-      for (int t = 0; t < R * V; ++t) a[t] = a[t] + Vec::loadu(total + t * w);
+      for (int t = 0; t < R * V; ++t) a[t] = Vec(a[t]) + Vec::loadu(total + t * w);
     }
-    alignas(64) acc_t lanes[V * w];
+#pragma GCC unroll 8
+    for (int t = 0; t < R * V; ++t) Vec(a[t]).store(total + t * w);
     const int64_t n = std::min<int64_t>(cols - j0, V * w);
     for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 2
-      for (int v = 0; v < V; ++v) a[r * V + v].store(lanes + v * w);
-      for (int64_t j = 0; j < n; ++j) st[(j0 + j) * bq + i + r] = lanes[j];
+      for (int64_t j = 0; j < n; ++j) st[(j0 + j) * bq + i + r] = total[r * V * w + j];
     }
   }
 
