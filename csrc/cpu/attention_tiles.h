@@ -908,7 +908,7 @@ class TileReader {
   // GB/s (S=4096) and 19.7-20.5 (32768); with these every 4 dims, 20.9-23.1
   // and 24.4-25.9. Since row_scores keeps its sums in registers (Register;
   // a decode whose K/V sit in L3 runs 26-28% faster for it), every 8 dims
-  // reads 4-8% more than every 4 at 4096 and 4-13% more at 32768; every 2,
+  // reads 4-8% more than every 4 at 4096 and 4-14% more at 32768; every 2,
   // 12, 16 or 32 reads less.
   // The softmax's every 2 keys (ForwardKernel) beat every 1, 4 or none.
   static constexpr int64_t kScoreDimsPerBurst = 8;
