@@ -956,6 +956,7 @@ class TileReader {
 #pragma GCC unroll 8
       for (int t = 0; t < R * V; ++t) a[t] = Vec(a[t]) + Vec::loadu(total + t * w);
     }
+    // (total, done with, takes the finished sums for the scalar writes to st.)
 #pragma GCC unroll 8
     for (int t = 0; t < R * V; ++t) Vec(a[t]).store(total + t * w);
     const int64_t n = std::min<int64_t>(cols - j0, V * w);
