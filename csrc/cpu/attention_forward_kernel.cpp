@@ -126,8 +126,11 @@ class ForwardKernel {
     const bool few_rows = rows <= kFewRows && p_.softcap == 0;
     const bool keys_transposed = !few_rows && bq >= kTransposedKeysRows;
     const acc_t scale = static_cast<acc_t>(p_.scale);
+    // (few_row_scores takes its queries in few_row_lanes.)
+    const int64_t lanes = few_rows ? Tiles::few_row_lanes(rows) : nr;
     for (int64_t h = 0; h < heads; ++h) {
-      tiles_.pack_transposed(p_.q, o0 + h, q0, rows, bq, p_.dim_qk, scale, head_rows(h, bq));
+      tiles_.pack_transposed(p_.q, o0 + h, q0, rows, few_rows ? lanes : bq, p_.dim_qk, scale,
+                             head_rows(h, bq), lanes);
       start_rows(o0 + h, rows, bq, /*with_sink=*/true, head_state(h, bq));
     }
 
@@ -226,8 +229,9 @@ class ForwardKernel {
     for (int64_t h = 0; h < heads; ++h) {
       const RowState<acc_t> st = head_state(h, bq);
       if (rows > 0) {
-        tiles_.pack_transposed(p_.q, o0 + h, 0, rows, bq, p_.dim_qk,
-                               static_cast<acc_t>(p_.scale), head_rows(h, bq));
+        const int64_t lanes = Tiles::few_row_lanes(rows);
+        tiles_.pack_transposed(p_.q, o0 + h, 0, rows, lanes, p_.dim_qk,
+                               static_cast<acc_t>(p_.scale), head_rows(h, bq), lanes);
       }
       start_rows(o0 + h, rows, bq, /*with_sink=*/chunk == 0, st);  // (one chunk has the sink)
     }

@@ -687,21 +687,22 @@ class TileReader {
     return matrix_start<const scalar_t>(p_.outer, t, o);
   }
 
-  // Rows r0..r0+rows of t (dim wide) transposed into panels of nr rows,
-  // times scale: (row i, dim e) at [(i/nr)·dim + e]·nr + i%nr; rows up to
-  // padded_rows are zero.
+  // Rows r0..r0+rows of t (dim wide) transposed into panels of `lanes` rows
+  // (nr, or few_row_lanes), times scale: (row i, dim e) at
+  // [(i/lanes)·dim + e]·lanes + i%lanes; rows up to padded_rows are zero.
   void pack_transposed(const Matrix& t, int64_t o, int64_t r0, int64_t rows,
-                       int64_t padded_rows, int64_t dim, acc_t scale, acc_t* dst) const {
+                       int64_t padded_rows, int64_t dim, acc_t scale, acc_t* dst,
+                       int64_t lanes = nr) const {
     const scalar_t* first = start(t, o) + r0 * t.row_stride;
     int64_t i = 0;
     // Whole w × w blocks through register transposes: each block's columns
-    // land as w contiguous lanes of a panel (w divides the panel width).
+    // land as w contiguous lanes of a panel (where w divides its width).
     // (Half precision is widened a block at a time first.)
     const int64_t dims = dim / w * w;
     acc_t block[w * w], wide[w * w];
     const Vec vscale(scale);
-    for (; dims > 0 && i + w <= rows; i += w) {
-      acc_t* d = dst + (i / nr) * dim * nr + i % nr;
+    for (; dims > 0 && lanes % w == 0 && i + w <= rows; i += w) {
+      acc_t* d = dst + (i / lanes) * dim * lanes + i % lanes;
       const scalar_t* src = first + i * t.row_stride;
       for (int64_t e0 = 0; e0 < dims; e0 += w) {
         if constexpr (kSameType) {
@@ -710,26 +711,30 @@ class TileReader {
           for (int64_t l = 0; l < w; ++l) widen(src + l * t.row_stride + e0, wide + l * w, w);
           transpose_block(wide, w, block);
         }
-        for (int64_t e = 0; e < w; ++e) (Vec::loadu(block + e * w) * vscale).store(d + (e0 + e) * nr);
+        for (int64_t e = 0; e < w; ++e) {
+          (Vec::loadu(block + e * w) * vscale).store(d + (e0 + e) * lanes);
+        }
       }
       for (int64_t e = dims; e < dim; ++e) {
         for (int64_t l = 0; l < w; ++l) {
-          d[e * nr + l] = static_cast<acc_t>(src[l * t.row_stride + e]) * scale;
+          d[e * lanes + l] = static_cast<acc_t>(src[l * t.row_stride + e]) * scale;
         }
       }
     }
     for (; i < rows; ++i) {
-      acc_t* d = dst + (i / nr) * dim * nr + i % nr;
+      acc_t* d = dst + (i / lanes) * dim * lanes + i % lanes;
       const scalar_t* src = first + i * t.row_stride;
-      for (int64_t e = 0; e < dim; ++e) d[e * nr] = static_cast<acc_t>(src[e]) * scale;
+      for (int64_t e = 0; e < dim; ++e) d[e * lanes] = static_cast<acc_t>(src[e]) * scale;
     }
     // The padding, lanes rows..padded_rows of each dim's panel row: a run of
     // contiguous lanes each (not one strided store per lane: decoding's 4
     // query rows in 32 lanes spent more here than on their scores).
-    for (; i < padded_rows; i = round_up(i + 1, nr)) {
-      const int64_t end = std::min(round_up(i + 1, nr), padded_rows);
-      acc_t* d = dst + (i / nr) * dim * nr + i % nr;
-      for (int64_t e = 0; e < dim; ++e) std::fill(d + e * nr, d + e * nr + (end - i), acc_t(0));
+    for (; i < padded_rows; i = round_up(i + 1, lanes)) {
+      const int64_t end = std::min(round_up(i + 1, lanes), padded_rows);
+      acc_t* d = dst + (i / lanes) * dim * lanes + i % lanes;
+      for (int64_t e = 0; e < dim; ++e) {
+        std::fill(d + e * lanes, d + e * lanes + (end - i), acc_t(0));
+      }
     }
   }
 
@@ -813,8 +818,9 @@ class TileReader {
   // score GEMM's order. So these scores equal the ones the backward and the
   // weights pass recompute with the GEMM: with scores of 1e30, one ulp of
   // difference (dot products summed across lanes) was a factor of e^(±1e23)
-  // in their exp(s − lse). qt holds the rows as one panel of nr query lanes
-  // (pack_transposed); lanes rows..bq of st get 0. Two ways, by the rows:
+  // in their exp(s − lse). qt holds the rows as one panel of
+  // few_row_lanes(rows) query lanes (pack_transposed); lanes rows..bq of st
+  // get 0. Two ways, by the rows:
   //  - half a vector to one (the G = 4 heads of a GQA group in 8 float
   //    lanes): lane_scores, the GEMM itself with one vector of query lanes;
   //  - fewer (one query per head) or more: the key block transposed into
@@ -826,7 +832,7 @@ class TileReader {
   void few_row_scores(const acc_t* k, int64_t ldk, int64_t cols, const acc_t* qt, int64_t rows,
                       int64_t bq, acc_t* st, acc_t* kt, PrefetchQueue* prefetch = nullptr) const {
     if (scores_in_lanes(rows)) return lane_scores(k, ldk, cols, qt, bq, st, prefetch);
-    const int64_t d = p_.dim_qk, ldt = round_up(cols, w);
+    const int64_t d = p_.dim_qk, ldt = round_up(cols, w), ldq = few_row_lanes(rows);
     transpose_keys(k, ldk, cols, d, kt, prefetch);
     for (int64_t j = 0; j < cols * bq; j += w) Vec(acc_t(0)).store(st + j);
     for (int64_t j0 = 0; j0 < cols; j0 += 2 * w) {
@@ -834,11 +840,15 @@ class TileReader {
       auto bursts = [&](int64_t i) { return i == 0 ? prefetch : nullptr; };
       int64_t i = 0;
       if (j0 + w < cols) {
-        for (; i + 4 <= rows; i += 4) row_scores<4, 2>(kt, ldt, j0, cols, qt, i, bq, st, bursts(i));
-        for (; i < rows; ++i) row_scores<1, 2>(kt, ldt, j0, cols, qt, i, bq, st, bursts(i));
+        for (; i + 4 <= rows; i += 4) {
+          row_scores<4, 2>(kt, ldt, j0, cols, qt, ldq, i, bq, st, bursts(i));
+        }
+        for (; i < rows; ++i) row_scores<1, 2>(kt, ldt, j0, cols, qt, ldq, i, bq, st, bursts(i));
       } else {
-        for (; i + 4 <= rows; i += 4) row_scores<4, 1>(kt, ldt, j0, cols, qt, i, bq, st, bursts(i));
-        for (; i < rows; ++i) row_scores<1, 1>(kt, ldt, j0, cols, qt, i, bq, st, bursts(i));
+        for (; i + 4 <= rows; i += 4) {
+          row_scores<4, 1>(kt, ldt, j0, cols, qt, ldq, i, bq, st, bursts(i));
+        }
+        for (; i < rows; ++i) row_scores<1, 1>(kt, ldt, j0, cols, qt, ldq, i, bq, st, bursts(i));
       }
     }
   }
@@ -917,16 +927,26 @@ class TileReader {
   // transposed).
   static constexpr bool scores_in_lanes(int64_t rows) { return 2 * rows >= w && rows <= w; }
 
+  // The query lanes few_row_scores wants `rows` rows packed in: a panel of
+  // nr where lane_scores loads them as vectors, else just the rows, which
+  // row_scores broadcasts one element at a time. (A decoding item packs
+  // its 8 heads' queries into lines the caches have lost since the last
+  // call: 4 rows in 32 lanes wrote 8× the lines, each first read from
+  // memory.)
+  static constexpr int64_t few_row_lanes(int64_t rows) {
+    return scores_in_lanes(rows) ? nr : std::max<int64_t>(rows, 1);
+  }
+
   // few_row_scores' scores of rows i..i+R and keys j0..j0+V·w (those below
   // cols): R·V independent FMA chains. Out of line, as gemm: inlined into
   // the decoding loop, GCC stored every accumulator to the stack each step.
   template <int R, int V>
   __attribute__((noinline)) void row_scores(const acc_t* kt, int64_t ldt, int64_t j0,
-                                            int64_t cols, const acc_t* qt, int64_t i,
-                                            int64_t bq, acc_t* st,
+                                            int64_t cols, const acc_t* qt, int64_t ldq,
+                                            int64_t i, int64_t bq, acc_t* st,
                                             PrefetchQueue* prefetch) const {
     const int64_t d = p_.dim_qk;
-    const acc_t* q = qt + i;  // (row i + r, dim e at q[e·nr + r])
+    const acc_t* q = qt + i;  // (row i + r, dim e at q[e·ldq + r])
     // In chunks of kSumChunk dims, as the micro-kernel sums (the same bits).
     // The accumulators are of the register type, and every loop over them
     // is one flat loop over t = r·V + v (see Register).
@@ -948,7 +968,7 @@ class TileReader {
         const acc_t* keys = kt + e * ldt + j0;
 #pragma GCC unroll 8
         for (int t = 0; t < R * V; ++t) {
-          a[t] = at::vec::fmadd(Vec::loadu(keys + t % V * w), Vec(q[e * nr + t / V]), Vec(a[t]));
+          a[t] = at::vec::fmadd(Vec::loadu(keys + t % V * w), Vec(q[e * ldq + t / V]), Vec(a[t]));
         }
       }
     }
