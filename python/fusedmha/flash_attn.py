@@ -39,6 +39,9 @@ def _check_dims(name, **tensors):
                              f"({_LAYOUTS[dims]}), got {got}")
 
 
+# Looked up once (a decoding step finds flash_attn_with_kvcache cold: see there).
+_WITH_KVCACHE = torch.ops.fusedmha.attention_with_kvcache.default
+
 _LAYOUTS = {3: "total, nheads, headdim", 4: "batch, seqlen, nheads, headdim",
             5: "batch, seqlen, 2 or 3, nheads, headdim"}
 
@@ -298,11 +301,17 @@ def flash_attn_with_kvcache(
     if isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32,
                                    device=q.device)
-    out, lse = torch.ops.fusedmha.attention_with_kvcache(
-        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-        cache_leftpad, block_table, softmax_scale, causal, rotary_interleaved,
-        window_left=int(window_size[0]), window_right=int(window_size[1]),
-        softcap=float(softcap), alibi_slopes=alibi_slopes, sinks=sinks)
+    args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+            cache_leftpad, block_table, softmax_scale, causal, rotary_interleaved)
+    window_left, window_right = int(window_size[0]), int(window_size[1])
+    if (window_left == -1 and window_right == -1 and softcap == 0.0 and alibi_slopes is None
+            and sinks is None):
+        # Without the variants' keyword arguments: each decoding step finds this path cold,
+        # where parsing them costs microseconds.
+        out, lse = _WITH_KVCACHE(*args)
+    else:
+        out, lse = _WITH_KVCACHE(*args, window_left=window_left, window_right=window_right,
+                                 softcap=float(softcap), alibi_slopes=alibi_slopes, sinks=sinks)
     return (out, lse) if return_softmax_lse else out
 
 

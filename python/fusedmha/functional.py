@@ -6,6 +6,11 @@ import torch
 from torch import Tensor
 
 
+# The op, looked up once: a decoding step finds this path cold, and the lookup through
+# torch.ops cost ~7 us of it each call.
+_SDPA = torch.ops.fusedmha.scaled_dot_product_attention.default
+
+
 def scaled_dot_product_attention(
     query: Tensor,
     key: Tensor,
@@ -63,7 +68,7 @@ def scaled_dot_product_attention(
                         sinks=sinks)
         return _nested_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                  enable_gqa, variants)
-    op = torch.ops.fusedmha.scaled_dot_product_attention.default
+    op = _SDPA
     if (window_left == -1 and window_right == -1 and not bottom_right and softcap == 0.0
             and alibi_slopes is None and sinks is None):
         # SDPA's own arguments, positionally: a decoding step finds this path cold, and
