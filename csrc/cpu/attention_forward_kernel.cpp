@@ -235,6 +235,9 @@ class ForwardKernel {
       }
       start_rows(o0 + h, rows, bq, /*with_sink=*/chunk == 0, st);  // (one chunk has the sink)
     }
+    // Sᵀ's rows: up to w query rows (such as a GQA group's 4) in one vector
+    // of lanes, not a panel of two (half the lines to zero and to keep in L1).
+    const int64_t ls = rows > w ? bq : w;
     for (int64_t k0 = kv_begin; rows > 0 && k0 < kv_end; k0 += split_.block_kv) {
       const int64_t cols = std::min(split_.block_kv, kv_end - k0);
       for (int64_t h = 0; h < heads; ++h) {
@@ -245,19 +248,18 @@ class ForwardKernel {
         PrefetchQueue* pq = &prefetch_;
         const acc_t* k =
             tiles_.key_rows_of(Tiles::KeySide::K, o, k0, cols, p_.dim_qk, false, ws_.k, &ldk);
-        tiles_.few_row_scores(k, ldk, cols, head_rows(h, bq), rows, bq, ws_.st, ws_.kt, pq);
-        tiles_.transform_scores(o, 0, rows, bq, k0, cols, ws_.st, ws_.mt);
-        // (Up to w rows, such as a GQA group's 4: one vector of lanes, not two.)
+        tiles_.few_row_scores(k, ldk, cols, head_rows(h, bq), rows, ls, ws_.st, ws_.kt, pq);
+        tiles_.transform_scores(o, 0, rows, ls, k0, cols, ws_.st, ws_.mt);
         if (rows <= w) {
-          softmax_step<1>(bq, cols, st, /*terms=*/nullptr, pq);
+          softmax_step<1>(ls, cols, st, /*terms=*/nullptr, pq);
         } else {
-          softmax_step(bq, cols, st, /*terms=*/nullptr, pq);
+          softmax_step(ls, cols, st, /*terms=*/nullptr, pq);
         }
         if (k0 != kv_begin) rescale_output(0, rows, st);  // (the first block's output is 0)
         const acc_t* v =
             tiles_.key_rows_of(Tiles::KeySide::V, o, k0, cols, p_.dim_v, true, ws_.v, &ldv);
         gemm<acc_t, /*kRowsOfA=*/false, /*kAccumulate=*/true>(
-            rows, ws_.dv, cols, ws_.st, bq, [&](int64_t e) { return v + e; }, ldv, st.o, ws_.dv,
+            rows, ws_.dv, cols, ws_.st, ls, [&](int64_t e) { return v + e; }, ldv, st.o, ws_.dv,
             NoEpilogue{}, pq);
       }
     }
