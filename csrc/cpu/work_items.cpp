@@ -59,4 +59,3 @@ void run_items_in_parallel(int64_t n_items, size_t workspace_bytes,
 }
 
 }  // namespace fusedmha::cpu
-
