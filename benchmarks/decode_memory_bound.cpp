@@ -42,8 +42,9 @@
 //    FMAs, no prefetch;
 //  - "tiles + L2 pf": the kernel's order (16-row by 64-byte key tiles, V in
 //    32-float panels) with the next block prefetched into L2 in small bursts.
-// On a Zen 4 EPYC (2 threads) the ascending walk read about as fast as the
-// plain read, or faster; the other three read 40-70% of it.
+// On a Zen 4 EPYC (2 threads; plain read 38-55 GB/s) the ascending walk, in
+// bursts of 8 or not, read as fast as the plain read or faster; two rows at
+// a time about 30% of it, the kernel's order with L2 prefetches 71-79%.
 //
 //   g++ -O2 -mavx2 -mfma -pthread benchmarks/decode_memory_bound.cpp -o /tmp/decode_bound
 //   /tmp/decode_bound [threads...]      (default: 1 2)
