@@ -120,6 +120,7 @@ class AttentionCall {
   void set_variants(bool is_causal, std::optional<double> scale, const AttentionVariants& v);
   // t's (rows, cols) matrices indexed by the kernels' outer shape.
   Matrix describe(const at::Tensor& t) const;
+  Matrix describe(const void* data, c10::IntArrayRef sizes, c10::IntArrayRef strides) const;
   // A tensor of rows as the kernels read it: query-side rows (q, out,
   // grad_out, dQ) with packed query heads, key-side rows (k, v, dK, dV)
   // as they are; for a packed batch, t (rows, heads, cols), whose
@@ -136,9 +137,10 @@ class AttentionCall {
   bool use_key_lengths(const at::Tensor& mask);
   // A per-head tensor (alibi_slopes, sinks) as one float64 per outer index.
   Matrix describe_per_head(const at::Tensor& t);
-  // t (..., H, 1, cols) as the kernels see it: (..., H_kv, G, cols) when the
-  // query heads are packed, else t itself.
-  at::Tensor packed(const at::Tensor& t) const;
+  // t (..., H, 1, cols) described as the kernels see it: (..., H_kv, G,
+  // cols) when the query heads are packed, else as it is; as_column reads t
+  // (..., H, 1) as (..., H, 1, 1) first.
+  Matrix describe_packed(const at::Tensor& t, bool as_column = false) const;
 
   const char* op_;  // the entry point, as error messages start
   at::Tensor query_;
