@@ -11,6 +11,12 @@ namespace fusedmha::cpu {
 // Threads run_items_in_parallel will use (1 inside a parallel region).
 int64_t available_threads();
 
+// Memory the work items of one call share (such as decoding's partial
+// results, merged after them), 64-byte aligned: the calling thread's, kept
+// between calls, valid until its next call here. (An allocation per call
+// cost a decoding step a few us from cold caches.)
+void* call_scratch(size_t bytes);
+
 // Runs items [0, n_items) on the intra-op threads, each thread with its own
 // workspace of workspace_bytes (64-byte aligned). Items are handed out one at
 // a time, costliest (highest index) first, so threads finish together even
