@@ -650,24 +650,29 @@ WorkSplit configure(const AttentionParams& p, int64_t threads) {
     split.block_kv = paged_block(p, decode_block<acc_t>(p));
     // The heads of a sequence (packed batches), else of the last outer dim.
     split.heads = p.seq.on() ? p.seq.heads : (p.outer.dims ? p.outer.size[p.outer.dims - 1] : 1);
-    // Where each head's keys are rows of their own ((B, H_kv, S, E), not a
-    // cache's (B, S, H_kv, E) rows of all heads), fewer heads per item: the
-    // most that still give every thread about two items, so that the keys
-    // need no split and no merge, and each item streams fewer K/V regions.
-    // (Zen 4, 2 threads, one query over an E=128 GQA cache with 8 K/V heads,
-    // caches flushed, medians of alternating rounds: 2 heads per item, not
-    // 8 over a quarter of the keys, 5% faster at S=1024, 3% at 4096 and
-    // 32768.)
-    if (!p.seq.on() && p.k.row_stride == p.dim_qk && p.v.row_stride == p.dim_v) {
+    // Fewer heads per item (the most that still give every thread about two
+    // items) where each head's keys are rows of their own ((B, H_kv, S, E),
+    // not a cache's (B, S, H_kv, E) rows of all heads): the keys then need no
+    // split and no merge, and each item streams fewer K/V regions. In any
+    // layout, too, where the chunks of the keys alone leave a thread idle
+    // (one sequence of fewer than 2·kMinChunkKeys keys). (Zen 4, 2 threads,
+    // one query over an E=128 GQA cache with 8 K/V heads, caches flushed,
+    // medians of alternating rounds: (B, H_kv, S, E) with 2 heads per item,
+    // not 8 over a quarter of the keys, 5% faster at S=1024 and 3% at 4096
+    // and 32768; a (B, S, H_kv, E) cache of 256 or 384 keys 25-40% faster.)
+    const bool own_rows = p.k.row_stride == p.dim_qk && p.v.row_stride == p.dim_v;
+    // (A split costs a merge pass: only chunks of kMinChunkKeys or more.)
+    const int64_t max_chunks = std::max<int64_t>(p.len_kv / kMinChunkKeys, 1);
+    if (own_rows || p.num_outer / split.heads * max_chunks < threads) {
+      const int64_t chunks = own_rows ? 1 : max_chunks;
       int64_t h = split.heads;
-      while (h > 1 && !(split.heads % h == 0 && p.num_outer / h >= 2 * threads)) --h;
+      while (h > 1 && !(split.heads % h == 0 && p.num_outer / h * chunks >= 2 * threads)) --h;
       split.heads = h;
     }
     const int64_t groups = p.num_outer / split.heads;
     // Enough chunks that every thread gets about two items.
-    // (A split costs a merge pass: only chunks of kMinChunkKeys or more.)
-    split.kv_splits = std::clamp<int64_t>(div_up(2 * threads, std::max<int64_t>(groups, 1)), 1,
-                                          std::max<int64_t>(p.len_kv / kMinChunkKeys, 1));
+    split.kv_splits =
+        std::clamp<int64_t>(div_up(2 * threads, std::max<int64_t>(groups, 1)), 1, max_chunks);
     split.items = groups * split.kv_splits;
   }
   Arena<acc_t> counter(nullptr);
