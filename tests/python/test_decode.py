@@ -25,12 +25,15 @@ CASES = {
 
 
 # 37 keys: one key block; 2500: long enough that decoding splits the keys into chunks
-# across threads, merged by log-sum-exp.
+# across threads, merged by log-sum-exp, where each K/V row holds every head ("bshe": a
+# cache's (B, S, H_kv, E) viewed as (B, H_kv, S, E)); with each head's keys rows of their
+# own ("bhse") the threads take heads instead.
 @pytest.mark.parametrize("S", [37, 2500])
+@pytest.mark.parametrize("kv_layout", ["bhse", "bshe"])
 @pytest.mark.parametrize("kv_heads", [1, 2])
 @pytest.mark.parametrize("layout", ["bhle", "blhe"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_decode_matches_float64(device, name, layout, kv_heads, S):
+def test_decode_matches_float64(device, name, layout, kv_heads, kv_layout, S):
     B, H, E = 2, 8, 16
     kw = dict(CASES[name])
     opts = dict(dtype=torch.float64, device=device)
@@ -40,8 +43,12 @@ def test_decode_matches_float64(device, name, layout, kv_heads, S):
     else:  # the (B, L, H, E) projection viewed as (B, H, L, E)
         q = torch.randn(B, 1, H, E, **opts, requires_grad=True)
         qh = q.transpose(1, 2)
-    k = torch.randn(B, kv_heads, S, E, **opts, requires_grad=True)
-    v = torch.randn(B, kv_heads, S, E, **opts, requires_grad=True)
+    if kv_layout == "bhse":
+        k = torch.randn(B, kv_heads, S, E, **opts, requires_grad=True)
+        v = torch.randn(B, kv_heads, S, E, **opts, requires_grad=True)
+    else:
+        k = torch.randn(B, S, kv_heads, E, **opts).transpose(1, 2).requires_grad_()
+        v = torch.randn(B, S, kv_heads, E, **opts).transpose(1, 2).requires_grad_()
     mask = kw.pop("mask", None)
     if mask == "padding":
         mask = torch.arange(S, device=device)[None, None, None, :] < torch.tensor([S, S // 3], device=device)[:, None, None, None]
@@ -97,3 +104,25 @@ def test_split_decoding_keeps_a_nan_in_its_head():
     assert not out[0, [0, 1, 2, 3, 4, 6, 7]].isnan().any()
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     torch.testing.assert_close(out[0, :5], ref[0, :5], atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("S", [256, 300, 511])
+@pytest.mark.parametrize("paged", [False, True])
+def test_short_cache_of_whole_rows_is_shared_by_heads(S, paged):
+    """One sequence over a (B, S, H_kv, E) cache too short to split into two key chunks: the
+    threads take K/V heads instead (each item reads its heads' slice of every row)."""
+    B, H, Hkv, E, page = 1, 8, 4, 16, 64
+    rows = -(-S // page) * page
+    q = torch.randn(B, 1, H, E)
+    k_cache, v_cache = torch.randn(B, rows, Hkv, E), torch.randn(B, rows, Hkv, E)
+    if paged:
+        table = torch.randperm(rows // page).view(1, -1).to(torch.int32)
+        k_pages, v_pages = torch.empty(rows // page, page, Hkv, E), torch.empty(rows // page, page, Hkv, E)
+        k_pages[table[0].long()] = k_cache.view(-1, page, Hkv, E)
+        v_pages[table[0].long()] = v_cache.view(-1, page, Hkv, E)
+        out = fusedmha.flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=S, block_table=table)
+    else:
+        out = fusedmha.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=S)
+    ref, _, _ = reference_variants(q.transpose(1, 2).double(), k_cache[:, :S].transpose(1, 2).double(),
+                                   v_cache[:, :S].transpose(1, 2).double(), enable_gqa=True)
+    torch.testing.assert_close(out.double(), ref.transpose(1, 2), rtol=2e-5, atol=2e-6)
