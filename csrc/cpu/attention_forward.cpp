@@ -9,6 +9,7 @@
 #include "ops/attention_shapes.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/ops/empty.h>
 #include <ATen/core/DistributionsHelper.h>
 #include <torch/library.h>
 
@@ -16,6 +17,9 @@
 
 namespace fusedmha::cpu {
 namespace {
+
+// The most bytes of decoding's partial results a thread keeps between calls.
+constexpr size_t kMostKeptPartialBytes = size_t(1) << 20;
 
 // The dropout stream of a call, drawn from the default CPU generator:
 // torch.manual_seed makes runs repeatable, and two calls differ.
@@ -46,7 +50,16 @@ void run_forward(AttentionParams p, double dropout_p, const at::Tensor& rng_stat
   }
   const IsaKernels kernels = selected_kernels();
   WorkSplit split = kernels.forward_configure(p, available_threads());
-  if (split.partial_bytes > 0) split.partials = call_scratch(split.partial_bytes);
+  // Decoding's partial results: in the calling thread's kept buffer (an
+  // allocation per call cost a decoding step microseconds from cold caches),
+  // unless so large that no thread should keep them.
+  at::Tensor partials;
+  if (split.partial_bytes > kMostKeptPartialBytes) {
+    partials = at::empty({static_cast<int64_t>(split.partial_bytes)}, at::kByte);
+    split.partials = partials.mutable_data_ptr();
+  } else if (split.partial_bytes > 0) {
+    split.partials = call_scratch(split.partial_bytes);
+  }
   run_items_in_parallel(split.items, split.workspace_bytes, [&](int64_t item, void* workspace) {
     kernels.forward_item(p, split, item, workspace);
   });

@@ -18,6 +18,8 @@
 
 #include "cpu/attention_tiles.h"
 
+#include <numeric>
+
 namespace fusedmha::cpu {
 namespace CPU_CAPABILITY {
 namespace {
@@ -201,11 +203,10 @@ class ForwardKernel {
 
   // Decoding: one item = split_.heads outer indices (the heads of a batch
   // index or of a sequence, or some of them: configure) over one chunk of
-  // the keys. Each key block is
-  // read for every head before the next block: in a KV cache's (B, S,
-  // H_kv, E) layout a key's heads are adjacent, so whole rows stream in, not
-  // one head's slice of every row. With split keys the item leaves its
-  // partial state for combine().
+  // the keys. Each key block is read for every head of the item before the
+  // next block: in a KV cache's (B, S, H_kv, E) layout a key's heads are
+  // adjacent, so whole rows stream in, not one head's slice of every row.
+  // With split keys the item leaves its partial state for combine().
   void run_decode(int64_t item) {
     const int64_t g = item / split_.kv_splits, chunk = item % split_.kv_splits;
     const int64_t heads = split_.heads, o0 = g * heads;
@@ -628,6 +629,18 @@ int64_t decode_block(const AttentionParams& p) {
   return std::clamp<int64_t>(keys, 8, kBlockKV);
 }
 
+// Of the last outer dim's indices (decoding's heads), how many in a row
+// read the same K/V rows: the query heads of a K/V head where they are not
+// read as rows of one item, all of them where K or V has a single head.
+int64_t heads_sharing_kv(const AttentionParams& p) {
+  if (p.outer.dims == 0) return 1;
+  const int d = p.outer.dims - 1;
+  auto sharing = [&](const Matrix& m) {
+    return m.outer_stride[d] == 0 ? p.outer.size[d] : m.divisor[d];
+  };
+  return std::lcm(sharing(p.k), sharing(p.v));
+}
+
 template <typename acc_t>
 WorkSplit configure(const AttentionParams& p, int64_t threads) {
   constexpr int64_t nr = panel_width<acc_t>();
@@ -650,24 +663,28 @@ WorkSplit configure(const AttentionParams& p, int64_t threads) {
     split.block_kv = paged_block(p, decode_block<acc_t>(p));
     // The heads of a sequence (packed batches), else of the last outer dim.
     split.heads = p.seq.on() ? p.seq.heads : (p.outer.dims ? p.outer.size[p.outer.dims - 1] : 1);
-    // Fewer heads per item (the most that still give every thread about two
-    // items) where each head's keys are rows of their own ((B, H_kv, S, E),
-    // not a cache's (B, S, H_kv, E) rows of all heads): the keys then need no
-    // split and no merge, and each item streams fewer K/V regions. In any
-    // layout, too, where the chunks of the keys alone leave a thread idle
-    // (one sequence of fewer than 2·kMinChunkKeys keys). (Zen 4, 2 threads,
-    // one query over an E=128 GQA cache with 8 K/V heads, caches flushed,
-    // medians of alternating rounds: (B, H_kv, S, E) with 2 heads per item,
-    // not 8 over a quarter of the keys, 5% faster at S=1024 and 3% at 4096
-    // and 32768; a (B, S, H_kv, E) cache of 256 or 384 keys 25-40% faster.)
+    // Fewer heads per item, the most that still give every thread about two
+    // items: where each head's keys are rows of their own ((B, H_kv, S, E),
+    // not a cache's (B, S, H_kv, E) rows of all heads), so that the keys need
+    // fewer splits and merges (none where there are heads enough) and each
+    // item streams fewer K/V regions; and in any layout where the chunks of
+    // the keys alone (groups × len_kv / kMinChunkKeys) would leave a thread
+    // idle. Always a multiple of the heads that read the same K/V rows, which
+    // then still stream in once. (Zen 4, 2 threads, one query over an E=128
+    // GQA cache with 8 K/V heads, caches flushed, medians of alternating
+    // rounds: (B, H_kv, S, E) with 2 heads per item, not 8 over a quarter of
+    // the keys, 5% faster at S=1024 and 3% at 4096 and 32768; a
+    // (B, S, H_kv, E) cache of 256 or 384 keys 25-40% faster.)
     const bool own_rows = p.k.row_stride == p.dim_qk && p.v.row_stride == p.dim_v;
     // (A split costs a merge pass: only chunks of kMinChunkKeys or more.)
     const int64_t max_chunks = std::max<int64_t>(p.len_kv / kMinChunkKeys, 1);
     if (own_rows || p.num_outer / split.heads * max_chunks < threads) {
-      const int64_t chunks = own_rows ? 1 : max_chunks;
-      int64_t h = split.heads;
-      while (h > 1 && !(split.heads % h == 0 && p.num_outer / h * chunks >= 2 * threads)) --h;
-      split.heads = h;
+      const int64_t chunks = own_rows ? 1 : max_chunks, share = heads_sharing_kv(p);
+      for (int64_t h = split.heads, all = split.heads; h >= share; --h) {
+        if (all % h != 0 || h % share != 0) continue;
+        split.heads = h;  // (else the fewest: key chunks make up the rest)
+        if (p.num_outer / h * chunks >= 2 * threads) break;
+      }
     }
     const int64_t groups = p.num_outer / split.heads;
     // Enough chunks that every thread gets about two items.

@@ -299,8 +299,8 @@ def flash_attn_with_kvcache(
     """
     del num_splits
     if isinstance(cache_seqlens, int):
-        # (q's device without a torch.device object: ~9 us less of a cold decoding step than
-        # torch.full(..., device=q.device))
+        # (q's device without making a torch.device: a decoding step from cold caches took
+        # ~5 us less than with torch.full(..., device=q.device) on Zen 4)
         cache_seqlens = q.new_full((q.size(0),), cache_seqlens, dtype=torch.int32)
     args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
             cache_leftpad, block_table, softmax_scale, causal, rotary_interleaved)

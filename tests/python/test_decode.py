@@ -26,8 +26,8 @@ CASES = {
 
 # 37 keys: one key block; 2500: long enough that decoding splits the keys into chunks
 # across threads, merged by log-sum-exp, where each K/V row holds every head ("bshe": a
-# cache's (B, S, H_kv, E) viewed as (B, H_kv, S, E)); with each head's keys rows of their
-# own ("bhse") the threads take heads instead.
+# cache's (B, S, H_kv, E) viewed as (B, H_kv, S, E), with 2 K/V heads); with each head's keys
+# rows of their own ("bhse", or "bshe" with one K/V head) the threads take heads instead.
 @pytest.mark.parametrize("S", [37, 2500])
 @pytest.mark.parametrize("kv_layout", ["bhse", "bshe"])
 @pytest.mark.parametrize("kv_heads", [1, 2])
@@ -94,16 +94,47 @@ def test_flash_attn_decode_and_weights():
 
 def test_split_decoding_keeps_a_nan_in_its_head():
     """A NaN in one head's query makes that head's output NaN, and no other's, when the keys
-    are split across threads and merged."""
+    are split across threads and merged (a cache's (B, S, H_kv, E) rows: one item holds every
+    head, so the keys are split at any thread count)."""
     B, H, Hkv, S, E = 1, 8, 2, 4096, 16
     q = torch.randn(B, H, 1, E)
     q[0, 5, 0, 3] = float("nan")
-    k, v = torch.randn(B, Hkv, S, E), torch.randn(B, Hkv, S, E)
+    k, v = (torch.randn(B, S, Hkv, E).transpose(1, 2) for _ in range(2))
     out = fusedmha.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     assert out[0, 5].isnan().all()
     assert not out[0, [0, 1, 2, 3, 4, 6, 7]].isnan().any()
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     torch.testing.assert_close(out[0, :5], ref[0, :5], atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("threads", [1, 3, 16])
+@pytest.mark.parametrize("S", [300, 2500])
+@pytest.mark.parametrize("kv_layout", ["bhse", "bshe"])
+@pytest.mark.parametrize("name", ["plain", "sinks", "per_head_mask"])
+def test_decode_work_split_at_thread_counts(name, kv_layout, S, threads):
+    """How decoding shares its work (heads per item, key chunks) depends on the thread count;
+    every split must give the reference's result. Sinks and per-head masks keep the query
+    heads apart, so an item must hold all the query heads of each K/V head it reads."""
+    B, H, Hkv, E = 1, 16, 4, 16
+    q = torch.randn(B, H, 1, E, dtype=torch.float64)
+    if kv_layout == "bhse":
+        k, v = (torch.randn(B, Hkv, S, E, dtype=torch.float64) for _ in range(2))
+    else:
+        k, v = (torch.randn(B, S, Hkv, E, dtype=torch.float64).transpose(1, 2) for _ in range(2))
+    kw, mask = {}, None
+    if name == "sinks":
+        kw["sinks"] = torch.randn(H, dtype=torch.float64)
+    elif name == "per_head_mask":
+        mask = torch.rand(B, H, 1, S) > 0.3
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, lse, _ = torch.ops.fusedmha.attention_forward(q, k, v, mask, 0.0, False, None, True, **kw)
+    finally:
+        torch.set_num_threads(before)
+    ref, ref_lse, _ = reference_variants(q, k, v, mask, False, enable_gqa=True, **kw)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(lse, ref_lse)
 
 
 @pytest.mark.parametrize("S", [256, 300, 511])
