@@ -85,7 +85,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cpu(
   ops::check_dropout_state(ops::kForwardOp, dropout_state);
   auto [out, lse, rng_state] = ops::allocate_attention_outputs(query, key, value, enable_gqa);
   ops::AttentionCall call(ops::kForwardOp, query, key, value, attn_mask, is_causal, scale,
-                          enable_gqa, variants, dropout_p);
+                          enable_gqa, variants, dropout_p, ops::last_dim_contiguous,
+                          /*pack_query_heads=*/true, kDecodeRows);
   AttentionParams p = call.forward(out, lse);
   if (dropout_state.has_value()) {
     rng_state = ops::returned_rng_state(rng_state, dropout_state);
@@ -114,7 +115,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_forward_cpu(
   const int64_t covered = cu_q.const_data_ptr<int32_t>()[cu_q.size(0) - 1];
   auto [out, lse, rng_state] = ops::allocate_varlen_outputs(query, value, covered);
   ops::AttentionCall call(ops::kVarlenForwardOp, query, key, value, batch, is_causal, scale,
-                          variants, dropout_p);
+                          variants, dropout_p, ops::last_dim_contiguous, kDecodeRows);
   run_forward(call.forward(out, lse), dropout_p, rng_state);
   return {out, lse, rng_state};
 }

@@ -36,7 +36,7 @@ constexpr int64_t kTransposedKeysRows = 256;
 constexpr int64_t kSharedMaskBlockQ = 128;
 constexpr int64_t kBlockKV = 64;
 // Query blocks of at most this many rows (decoding) take few_row_scores.
-constexpr int64_t kFewRows = 8;
+constexpr int64_t kFewRows = kDecodeRows;
 // Decoding takes at least kMinChunkBlocks key blocks, and splits the keys
 // into chunks of at least kMinChunkKeys. (Chunks of 1024 left one of two
 // threads idle below S = 2048: one query over a 1024-key GQA cache, E=128,
@@ -240,17 +240,28 @@ class ForwardKernel {
     // Sᵀ's rows: up to w query rows (such as a GQA group's 4) in one vector
     // of lanes, not a panel of two (half the lines to zero and to keep in L1).
     const int64_t ls = rows > w ? bq : w;
+    // The keys whose transpose ws_.kt holds: heads that read the same rows
+    // (query heads of one K/V head that are not packed as rows of one item,
+    // such as several queries per head) transpose each block once.
+    const void* kt_keys = nullptr;
+    int64_t kt_cols = 0;
     for (int64_t k0 = kv_begin; rows > 0 && k0 < kv_end; k0 += split_.block_kv) {
       const int64_t cols = std::min(split_.block_kv, kv_end - k0);
       for (int64_t h = 0; h < heads; ++h) {
         const int64_t o = o0 + h;
         const RowState<acc_t> st = head_state(h, bq);
-        int64_t ldk, ldv;
-        queue_next_head_block(h, k0, kv_end, rows, o0);
+        int64_t ldk = 0, ldv;
+        const void* keys = tiles_.key_source(Tiles::KeySide::K, o, k0);
+        const bool transposed = keys == kt_keys && cols == kt_cols && !Tiles::scores_in_lanes(rows);
+        queue_next_head_block(h, k0, kv_end, rows, o0, transposed);
         PrefetchQueue* pq = &prefetch_;
         const acc_t* k =
-            tiles_.key_rows_of(Tiles::KeySide::K, o, k0, cols, p_.dim_qk, false, ws_.k, &ldk);
-        tiles_.few_row_scores(k, ldk, cols, head_rows(h, bq), rows, ls, ws_.st, ws_.kt, pq);
+            transposed ? nullptr
+                       : tiles_.key_rows_of(Tiles::KeySide::K, o, k0, cols, p_.dim_qk, false,
+                                            ws_.k, &ldk);
+        tiles_.few_row_scores(k, ldk, cols, head_rows(h, bq), rows, ls, ws_.st, ws_.kt, pq,
+                              transposed);
+        kt_keys = keys, kt_cols = cols;
         tiles_.transform_scores(o, 0, rows, ls, k0, cols, ws_.st, ws_.mt);
         if (rows <= w) {
           softmax_step<1>(ls, cols, st, /*terms=*/nullptr, pq);
@@ -333,19 +344,27 @@ class ForwardKernel {
   // 21.3-21.8 GB/s of K/V at S=32768 and 14.8-16.8 at 4096, into L2 two
   // ahead and into L1 one ahead (the choice before) 18.4-19.2 and 13.0-15.3,
   // into L2 two or three ahead 20.7-21.7 and 14.4-16.5; the AVX2 path alike.
-  void queue_next_head_block(int64_t h, int64_t k0, int64_t kv_end, int64_t rows, int64_t o0) {
+  void queue_next_head_block(int64_t h, int64_t k0, int64_t kv_end, int64_t rows, int64_t o0,
+                             bool keys_transposed) {
     const bool last_head = h + 1 == split_.heads;
     const int64_t next_h = last_head ? 0 : h + 1;
     const int64_t next_k0 = last_head ? k0 + split_.block_kv : k0;
     const int64_t next_cols = std::min(split_.block_kv, kv_end - next_k0);
-    if (next_cols > 0) {
+    // (Not where the next head reads this one's rows: they are here already.)
+    auto same_rows = [&](Tiles::KeySide side) {
+      return tiles_.key_source(side, o0 + next_h, next_k0) == tiles_.key_source(side, o0 + h, k0);
+    };
+    if (next_cols > 0 && !same_rows(Tiles::KeySide::K)) {
       tiles_.queue_key_rows(prefetch_, Tiles::KeySide::K, o0 + next_h, next_k0, next_cols,
                             p_.dim_qk);
+    }
+    if (next_cols > 0 && !same_rows(Tiles::KeySide::V)) {
       tiles_.queue_key_rows(prefetch_, Tiles::KeySide::V, o0 + next_h, next_k0, next_cols,
                             p_.dim_v);
     }
     const int64_t cols = std::min(split_.block_kv, kv_end - k0);
-    prefetch_.pace(tiles_.few_row_bursts(cols, rows) + div_up(cols, kSoftmaxKeysPerBurst) +
+    prefetch_.pace(tiles_.few_row_bursts(cols, rows, keys_transposed) +
+                   div_up(cols, kSoftmaxKeysPerBurst) +
                    ws_.dv / nr * div_up(rows, kMicroRows));
   }
 

@@ -59,6 +59,14 @@ bool one_row_heads_pack(int64_t h, int64_t h_kv, bool is_causal, const Attention
   return !(is_causal || v.window_right >= 0) || v.bottom_right;
 }
 
+// Of g query heads per K/V head, how many to pack as rows of one item: the
+// most that divide g and are at most most_rows (1: none).
+int64_t packed_group(int64_t g, int64_t most_rows) {
+  int64_t group = std::min(g, std::max<int64_t>(most_rows, 1));
+  while (g % group != 0) --group;
+  return group;
+}
+
 }  // namespace
 
 bool packs_query_heads(const at::Tensor& query, const at::Tensor& key,
@@ -88,7 +96,8 @@ AttentionCall::AttentionCall(const char* op, const at::Tensor& query, const at::
                              const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
                              bool is_causal, std::optional<double> scale, bool enable_gqa,
                              const AttentionVariants& variants, double dropout_p,
-                             RowLayout layout, bool pack_query_heads)
+                             RowLayout layout, bool pack_query_heads,
+                             int64_t most_packed_rows)
     : op_(op), query_(query), layout_(layout) {
   for (const c10::SymInt& s : attention_outer_shape(op, query, key, value, enable_gqa)) {
     outer_shape_.push_back(s.expect_int());
@@ -96,8 +105,8 @@ AttentionCall::AttentionCall(const char* op, const at::Tensor& query, const at::
   const bool pack = pack_query_heads &&
                     packs_query_heads(query, key, attn_mask, is_causal, variants, dropout_p);
   if (pack) {
-    group_ = query.size(-3) / key.size(-3);
-    outer_shape_.back() /= group_;  // the K/V heads
+    group_ = packed_group(query.size(-3) / key.size(-3), most_packed_rows);
+    outer_shape_.back() /= group_;  // the K/V heads (or a share of each one's query heads)
   }
   set_outer_shape(op);
   AttentionParams& p = inputs_;
@@ -120,12 +129,13 @@ AttentionCall::AttentionCall(const char* op, const at::Tensor& query, const at::
 AttentionCall::AttentionCall(const char* op, const at::Tensor& query, const at::Tensor& key,
                              const at::Tensor& value, const PackedBatch& batch, bool is_causal,
                              std::optional<double> scale, const AttentionVariants& variants,
-                             double dropout_p, RowLayout layout)
+                             double dropout_p, RowLayout layout, int64_t most_packed_rows)
     : op_(op), query_(query), layout_(layout), packed_batch_(true) {
   outer_shape_ = {batch.cu_seqlens_q.size(0) - 1, query.size(1)};
   if (packs_query_heads(query, key, batch, is_causal, variants, dropout_p)) {
-    group_ = query.size(1) / key.size(batch.block_table.has_value() ? 2 : 1);
-    outer_shape_.back() /= group_;  // the K/V heads
+    group_ = packed_group(query.size(1) / key.size(batch.block_table.has_value() ? 2 : 1),
+                          most_packed_rows);
+    outer_shape_.back() /= group_;  // the K/V heads (or a share of each one's query heads)
   }
   set_outer_shape(op);
   AttentionParams& p = inputs_;

@@ -11,6 +11,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <limits>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -69,19 +70,24 @@ bool packs_query_heads(const at::Tensor& query, const at::Tensor& key, const Pac
 // replayed rng_state, so it must outlive the kernels' run.
 class AttentionCall {
  public:
+  static constexpr int64_t kAnyRows = std::numeric_limits<int64_t>::max();
   // pack_query_heads allows reading the query heads that share a K/V head
   // as rows of one item when decoding (see packs_query_heads); the weights
-  // pass, which averages over heads, does not allow it.
+  // pass, which averages over heads, does not allow it. most_packed_rows
+  // caps the rows of one item: of G heads per K/V head, the most that
+  // divide G and fit are packed (none where no divisor above 1 fits).
   AttentionCall(const char* op, const at::Tensor& query, const at::Tensor& key,
                 const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
                 bool is_causal, std::optional<double> scale, bool enable_gqa,
                 const AttentionVariants& variants, double dropout_p,
-                RowLayout layout = last_dim_contiguous, bool pack_query_heads = true);
+                RowLayout layout = last_dim_contiguous, bool pack_query_heads = true,
+                int64_t most_packed_rows = kAnyRows);
   // A packed batch (its inputs already checked, values included).
   AttentionCall(const char* op, const at::Tensor& query, const at::Tensor& key,
                 const at::Tensor& value, const PackedBatch& batch, bool is_causal,
                 std::optional<double> scale, const AttentionVariants& variants,
-                double dropout_p, RowLayout layout = last_dim_contiguous);
+                double dropout_p, RowLayout layout = last_dim_contiguous,
+                int64_t most_packed_rows = kAnyRows);
 
   // The forward pass writing out and lse (as allocate_attention_outputs
   // made them). Dropout is left off: the backend draws its stream.

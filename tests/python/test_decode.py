@@ -157,3 +157,78 @@ def test_short_cache_of_whole_rows_is_shared_by_heads(S, paged):
     ref, _, _ = reference_variants(q.transpose(1, 2).double(), k_cache[:, :S].transpose(1, 2).double(),
                                    v_cache[:, :S].transpose(1, 2).double(), enable_gqa=True)
     torch.testing.assert_close(out.double(), ref.transpose(1, 2), rtol=2e-5, atol=2e-6)
+
+
+# More query heads per K/V head than one decoding item takes as rows (8): the forward packs
+# the largest share of them that divides the group (32 → 8 per item, 12 → 6; 11, prime, →
+# none: every head its own item row, all reading one K/V head), so the threads split the keys
+# instead of one thread taking every query head. float32 and float64 take different vector
+# paths (keys transposed, or scores in lanes).
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("S", [37, 2500])
+@pytest.mark.parametrize("kv_layout", ["bhse", "bshe"])
+@pytest.mark.parametrize("heads", [(32, 1), (12, 1), (22, 2), (24, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_decode_with_more_query_heads_per_kv_head_than_an_item_takes(dtype, heads, kv_layout, S, threads):
+    (H, Hkv), B, E = heads, 2, 16
+    q = torch.randn(B, H, 1, E, dtype=dtype)
+    if kv_layout == "bhse":
+        k, v = (torch.randn(B, Hkv, S, E, dtype=dtype) for _ in range(2))
+    else:
+        k, v = (torch.randn(B, S, Hkv, E, dtype=dtype).transpose(1, 2) for _ in range(2))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, lse, _ = torch.ops.fusedmha.attention_forward(q, k, v, None, 0.0, False, None, True)
+    finally:
+        torch.set_num_threads(before)
+    ref, ref_lse, _ = reference_variants(q, k, v, enable_gqa=True)
+    tol = dict(rtol=2e-5, atol=2e-6) if dtype == torch.float32 else {}
+    torch.testing.assert_close(out.double(), ref, **tol)
+    torch.testing.assert_close(lse.double(), ref_lse, **tol)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_kvcache_decode_with_multi_query_attention(paged):
+    """flash_attn_with_kvcache with one K/V head for 32 query heads (the packed-batch path)."""
+    B, H, E, S, page = 2, 32, 16, 700, 64
+    rows = -(-S // page) * page
+    q = torch.randn(B, 1, H, E)
+    k_cache, v_cache = torch.randn(B, rows, 1, E), torch.randn(B, rows, 1, E)
+    seqlens = torch.tensor([S, S // 3], dtype=torch.int32)
+    if paged:
+        pages = B * rows // page
+        table = torch.randperm(pages).view(B, -1).to(torch.int32)
+        k_pages, v_pages = torch.empty(pages, page, 1, E), torch.empty(pages, page, 1, E)
+        k_pages[table.flatten().long()] = k_cache.reshape(-1, page, 1, E)
+        v_pages[table.flatten().long()] = v_cache.reshape(-1, page, 1, E)
+        out = fusedmha.flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=seqlens, block_table=table)
+    else:
+        out = fusedmha.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens)
+    for b in range(B):
+        n = int(seqlens[b])
+        ref, _, _ = reference_variants(q[b:b + 1].transpose(1, 2), k_cache[b:b + 1, :n].transpose(1, 2),
+                                       v_cache[b:b + 1, :n].transpose(1, 2), enable_gqa=True)
+        torch.testing.assert_close(out[b:b + 1].double(), ref.transpose(1, 2), rtol=2e-5, atol=2e-6)
+
+
+# A few queries per head (speculative decoding's draft tokens): the query heads of a K/V head
+# are items' heads of their own, each block's keys transposed once for all of them.
+@pytest.mark.parametrize("S", [300, 2500])
+@pytest.mark.parametrize("L", [2, 3, 5])
+@pytest.mark.parametrize("name", ["plain", "causal_bottom_right", "sinks"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_few_queries_per_head_share_each_key_block(dtype, name, L, S):
+    B, H, Hkv, E = 1, 16, 4, 16
+    q = torch.randn(B, H, L, E, dtype=dtype)
+    k, v = (torch.randn(B, Hkv, S, E, dtype=dtype) for _ in range(2))
+    kw, is_causal = {}, False
+    if name == "causal_bottom_right":
+        kw["bottom_right"], is_causal = True, True
+    elif name == "sinks":
+        kw["sinks"] = torch.randn(H, dtype=dtype)
+    out, lse, _ = torch.ops.fusedmha.attention_forward(q, k, v, None, 0.0, is_causal, None, True, **kw)
+    ref, ref_lse, _ = reference_variants(q, k, v, None, is_causal, enable_gqa=True, **kw)
+    tol = dict(rtol=2e-5, atol=2e-6) if dtype == torch.float32 else {}
+    torch.testing.assert_close(out.double(), ref, **tol)
+    torch.testing.assert_close(lse.double(), ref_lse, **tol)
