@@ -1,7 +1,7 @@
 """Decoding on CPU: one query (or a few) per head against a long grouped-query K/V cache,
 fusedmha vs PyTorch's F.scaled_dot_product_attention (enable_gqa), timed in alternation in one
 process (median per call). Three caches: (B, H_kv, S, E) tensors through the SDPA front door,
-and through fusedmha.flash_attn_with_kvcache (one new token appended) FlashAttention's
+and through fusedmha.flash_attn_with_kvcache (the step's L new tokens appended) FlashAttention's
 (B, S, H_kv, E) cache and a paged one (pages of --page rows, shuffled); PyTorch reads the
 same (B, S, H_kv, E) cache as a view. Decoding reads K/V once per step and computes little, so the
 yardstick is memory: K/V bytes read per second against this machine's measured read bandwidth.
@@ -50,23 +50,23 @@ def main():
         q = torch.randn(1, H, L, E)
         k, v = torch.randn(1, Hkv, S, E), torch.randn(1, Hkv, S, E)
         kv_bytes = 2 * Hkv * S * E * 4
-        # FlashAttention's cache layout, one new token appended by each call at row S - 1.
+        # FlashAttention's cache layout, the L new tokens appended by each call at rows S - L..S - 1.
         rows = S + a.page
         k_cache, v_cache = torch.randn(1, rows, Hkv, E), torch.randn(1, rows, Hkv, E)
         pages = rows // a.page
         k_pages, v_pages = (t.view(pages, a.page, Hkv, E) for t in (k_cache.clone(), v_cache.clone()))
         table = torch.randperm(pages).view(1, pages).to(torch.int32)
-        q_step, k_step, v_step = torch.randn(1, 1, H, E), torch.randn(1, 1, Hkv, E), torch.randn(1, 1, Hkv, E)
+        q_step, k_step, v_step = torch.randn(1, L, H, E), torch.randn(1, L, Hkv, E), torch.randn(1, L, Hkv, E)
         k_view, v_view = k_cache[:, :S].transpose(1, 2), v_cache[:, :S].transpose(1, 2)
         runs = {
             "(B,H,S,E)": (lambda: fusedmha.scaled_dot_product_attention(q, k, v, enable_gqa=True),
                           lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)),
             "(B,S,H,E)": (lambda: fusedmha.flash_attn_with_kvcache(
-                              q_step, k_cache, v_cache, k_step, v_step, cache_seqlens=S - 1,
+                              q_step, k_cache, v_cache, k_step, v_step, cache_seqlens=S - L,
                               causal=True),
                           lambda: F.scaled_dot_product_attention(q, k_view, v_view, enable_gqa=True)),
             "paged": (lambda: fusedmha.flash_attn_with_kvcache(
-                          q_step, k_pages, v_pages, k_step, v_step, cache_seqlens=S - 1,
+                          q_step, k_pages, v_pages, k_step, v_step, cache_seqlens=S - L,
                           block_table=table, causal=True),
                       lambda: F.scaled_dot_product_attention(q, k_view, v_view, enable_gqa=True)),
         }
