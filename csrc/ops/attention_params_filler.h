@@ -53,8 +53,9 @@ struct DenseGradients {
 // and nothing that tells those rows apart by position or head (no window, a
 // causal mask only if bottom-right (it then hides nothing), no ALiBi, sinks,
 // dropout or per-head mask). Then the G query heads that share a K/V head
-// are G rows of one item: K/V are read once per group, not once per head,
-// and the score tiles are G rows deep instead of 1.
+// are G rows of one item (or G / G' items of G' rows, where the backend caps
+// the rows: AttentionCall's most_packed_rows): K/V are read once per group,
+// not once per head, and the score tiles are G rows deep instead of 1.
 bool packs_query_heads(const at::Tensor& query, const at::Tensor& key,
                        const std::optional<at::Tensor>& attn_mask, bool is_causal,
                        const AttentionVariants& variants, double dropout_p);

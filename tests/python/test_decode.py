@@ -164,52 +164,66 @@ def test_short_cache_of_whole_rows_is_shared_by_heads(S, paged):
 # none: every head its own item row, all reading one K/V head), so the threads split the keys
 # instead of one thread taking every query head. float32 and float64 take different vector
 # paths (keys transposed, or scores in lanes).
-@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("S", [37, 2500])
 @pytest.mark.parametrize("kv_layout", ["bhse", "bshe"])
 @pytest.mark.parametrize("heads", [(32, 1), (12, 1), (22, 2), (24, 2)])
+@pytest.mark.parametrize("name", ["plain", "padding_mask", "causal_bottom_right"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_decode_with_more_query_heads_per_kv_head_than_an_item_takes(dtype, heads, kv_layout, S, threads):
+def test_decode_with_more_query_heads_per_kv_head_than_an_item_takes(dtype, name, heads, kv_layout, S, threads):
     (H, Hkv), B, E = heads, 2, 16
     q = torch.randn(B, H, 1, E, dtype=dtype)
     if kv_layout == "bhse":
         k, v = (torch.randn(B, Hkv, S, E, dtype=dtype) for _ in range(2))
     else:
         k, v = (torch.randn(B, S, Hkv, E, dtype=dtype).transpose(1, 2) for _ in range(2))
+    mask, kw = None, {}
+    if name == "padding_mask":  # (a key-length mask: the second sequence sees a third of the keys)
+        mask = torch.arange(S)[None, None, None, :] < torch.tensor([S, S // 3])[:, None, None, None]
+    elif name == "causal_bottom_right":
+        kw["bottom_right"] = True
+    is_causal = name == "causal_bottom_right"
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out, lse, _ = torch.ops.fusedmha.attention_forward(q, k, v, None, 0.0, False, None, True)
+        out, lse, _ = torch.ops.fusedmha.attention_forward(q, k, v, mask, 0.0, is_causal, None, True, **kw)
     finally:
         torch.set_num_threads(before)
-    ref, ref_lse, _ = reference_variants(q, k, v, enable_gqa=True)
+    ref, ref_lse, _ = reference_variants(q, k, v, mask, is_causal, enable_gqa=True, **kw)
     tol = dict(rtol=2e-5, atol=2e-6) if dtype == torch.float32 else {}
     torch.testing.assert_close(out.double(), ref, **tol)
     torch.testing.assert_close(lse.double(), ref_lse, **tol)
 
 
 @pytest.mark.parametrize("paged", [False, True])
-def test_kvcache_decode_with_multi_query_attention(paged):
-    """flash_attn_with_kvcache with one K/V head for 32 query heads (the packed-batch path)."""
-    B, H, E, S, page = 2, 32, 16, 700, 64
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("H", [32, 11])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kvcache_decode_with_multi_query_attention(dtype, H, causal, paged):
+    """flash_attn_with_kvcache with one K/V head for 32 query heads (packed 8 at a time) or 11
+    (a prime: not packed, the heads share each key block's transpose), through the packed-batch
+    path, paged or not; bfloat16 keys are widened before they are transposed."""
+    B, E, S, page = 2, 16, 700, 64
     rows = -(-S // page) * page
-    q = torch.randn(B, 1, H, E)
-    k_cache, v_cache = torch.randn(B, rows, 1, E), torch.randn(B, rows, 1, E)
+    q = torch.randn(B, 1, H, E).to(dtype)
+    k_cache, v_cache = torch.randn(B, rows, 1, E).to(dtype), torch.randn(B, rows, 1, E).to(dtype)
     seqlens = torch.tensor([S, S // 3], dtype=torch.int32)
     if paged:
         pages = B * rows // page
         table = torch.randperm(pages).view(B, -1).to(torch.int32)
-        k_pages, v_pages = torch.empty(pages, page, 1, E), torch.empty(pages, page, 1, E)
+        k_pages, v_pages = torch.empty(pages, page, 1, E, dtype=dtype), torch.empty(pages, page, 1, E, dtype=dtype)
         k_pages[table.flatten().long()] = k_cache.reshape(-1, page, 1, E)
         v_pages[table.flatten().long()] = v_cache.reshape(-1, page, 1, E)
-        out = fusedmha.flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=seqlens, block_table=table)
+        out = fusedmha.flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=seqlens, block_table=table,
+                                               causal=causal)
     else:
-        out = fusedmha.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens)
-    for b in range(B):
+        out = fusedmha.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=causal)
+    tol = dict(rtol=2e-5, atol=2e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-2)
+    for b in range(B):  # (one query row at the end of each cache: causal hides nothing)
         n = int(seqlens[b])
         ref, _, _ = reference_variants(q[b:b + 1].transpose(1, 2), k_cache[b:b + 1, :n].transpose(1, 2),
                                        v_cache[b:b + 1, :n].transpose(1, 2), enable_gqa=True)
-        torch.testing.assert_close(out[b:b + 1].double(), ref.transpose(1, 2), rtol=2e-5, atol=2e-6)
+        torch.testing.assert_close(out[b:b + 1].double(), ref.transpose(1, 2), **tol)
 
 
 # A few queries per head (speculative decoding's draft tokens): the query heads of a K/V head
