@@ -849,8 +849,9 @@ class TileReader {
   // over an E=128 cache, caches flushed, one process alternating, medians
   // of each run's rounds: with H=32 over H_kv=8, S=4096 -6% to +9% (median
   // of runs +2.4%), S=32768 +2% to +7% (+5.4%), a (B, S, H_kv, E) cache 0
-  // to +2%; with H_kv=32, +3% to +6%. The lane_scores path reads the keys
-  // row by row, and was 2-4% slower with it.)
+  // to +2%; with H_kv=32, +3% to +6%; short keys outside decoding, 128-200,
+  // +3% to +5%, and 2-3% slower when K is already in cache. The lane_scores
+  // path reads the keys row by row, and was 2-4% slower with it.)
   void few_row_scores(const acc_t* k, int64_t ldk, int64_t cols, const acc_t* qt, int64_t rows,
                       int64_t bq, acc_t* st, acc_t* kt, PrefetchQueue* prefetch = nullptr,
                       bool keys_transposed = false) const {
