@@ -24,6 +24,18 @@ CASES = {
 }
 
 
+def forward_at_threads(threads, q, k, v, mask, is_causal, **variants):
+    """The forward op's output and log-sum-exp (enable_gqa) with `threads` intra-op threads:
+    how decoding splits its work depends on the thread count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, lse, _ = torch.ops.fusedmha.attention_forward(q, k, v, mask, 0.0, is_causal, None, True, **variants)
+    finally:
+        torch.set_num_threads(before)
+    return out, lse
+
+
 # 37 keys: one key block; 2500: long enough that decoding splits the keys into chunks
 # across threads, merged by log-sum-exp, where each K/V row holds every head ("bshe": a
 # cache's (B, S, H_kv, E) viewed as (B, H_kv, S, E), with 2 K/V heads); with each head's keys
@@ -126,12 +138,7 @@ def test_decode_work_split_at_thread_counts(name, kv_layout, S, threads):
         kw["sinks"] = torch.randn(H, dtype=torch.float64)
     elif name == "per_head_mask":
         mask = torch.rand(B, H, 1, S) > 0.3
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        out, lse, _ = torch.ops.fusedmha.attention_forward(q, k, v, mask, 0.0, False, None, True, **kw)
-    finally:
-        torch.set_num_threads(before)
+    out, lse = forward_at_threads(threads, q, k, v, mask, False, **kw)
     ref, ref_lse, _ = reference_variants(q, k, v, mask, False, enable_gqa=True, **kw)
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(lse, ref_lse)
@@ -183,12 +190,7 @@ def test_decode_with_more_query_heads_per_kv_head_than_an_item_takes(dtype, name
     elif name == "causal_bottom_right":
         kw["bottom_right"] = True
     is_causal = name == "causal_bottom_right"
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        out, lse, _ = torch.ops.fusedmha.attention_forward(q, k, v, mask, 0.0, is_causal, None, True, **kw)
-    finally:
-        torch.set_num_threads(before)
+    out, lse = forward_at_threads(threads, q, k, v, mask, is_causal, **kw)
     ref, ref_lse, _ = reference_variants(q, k, v, mask, is_causal, enable_gqa=True, **kw)
     tol = dict(rtol=2e-5, atol=2e-6) if dtype == torch.float32 else {}
     torch.testing.assert_close(out.double(), ref, **tol)
