@@ -206,14 +206,18 @@ class ForwardKernel {
   // the keys. Each key block is read for every head of the item before the
   // next block: in a KV cache's (B, S, H_kv, E) layout a key's heads are
   // adjacent, so whole rows stream in, not one head's slice of every row.
-  // With split keys the item leaves its partial state for combine().
+  // The item's heads go in panels of split_.merged heads whose rows share
+  // one score tile. With split keys the item leaves its partial state for
+  // combine().
   void run_decode(int64_t item) {
     const int64_t g = item / split_.kv_splits, chunk = item % split_.kv_splits;
     const int64_t heads = split_.heads, o0 = g * heads;
     p_ = sequence_of(p_, o0);  // (a group's heads share their sequence)
-    const int64_t rows = p_.len_q, bq = round_up(std::max<int64_t>(rows, 1), nr);
+    const int64_t per_head = p_.len_q, merged = split_.merged;
+    const int64_t panels = heads / merged, rows = merged * per_head;
+    const int64_t bq = round_up(std::max<int64_t>(rows, 1), nr);
     // The chunk's keys within what any head of the group can see.
-    auto [kv_begin, kv_end] = key_range(o0, 0, rows);
+    auto [kv_begin, kv_end] = key_range(o0, 0, per_head);
     const int64_t chunk_len = chunk_length(p_.len_kv);
     kv_begin = std::max(kv_begin, chunk * chunk_len);
     kv_end = std::min(kv_end, (chunk + 1) * chunk_len);
@@ -228,15 +232,7 @@ class ForwardKernel {
       tiles_.queue_key_rows(prefetch_, Tiles::KeySide::V, o0, kv_begin, cols, p_.dim_v);
       prefetch_.issue(std::numeric_limits<int64_t>::max());
     }
-    for (int64_t h = 0; h < heads; ++h) {
-      const RowState<acc_t> st = head_state(h, bq);
-      if (rows > 0) {
-        const int64_t lanes = Tiles::few_row_lanes(rows);
-        tiles_.pack_transposed(p_.q, o0 + h, 0, rows, lanes, p_.dim_qk,
-                               static_cast<acc_t>(p_.scale), head_rows(h, bq), lanes);
-      }
-      start_rows(o0 + h, rows, bq, /*with_sink=*/chunk == 0, st);  // (one chunk has the sink)
-    }
+    for (int64_t h = 0; h < panels; ++h) start_panel(o0 + h * merged, per_head, bq, chunk, h);
     // Sᵀ's rows: up to w query rows (such as a GQA group's 4) in one vector
     // of lanes, not a panel of two (half the lines to zero and to keep in L1).
     const int64_t ls = rows > w ? bq : w;
@@ -247,13 +243,13 @@ class ForwardKernel {
     int64_t kt_cols = 0;
     for (int64_t k0 = kv_begin; rows > 0 && k0 < kv_end; k0 += split_.block_kv) {
       const int64_t cols = std::min(split_.block_kv, kv_end - k0);
-      for (int64_t h = 0; h < heads; ++h) {
-        const int64_t o = o0 + h;
+      for (int64_t h = 0; h < panels; ++h) {
+        const int64_t o = o0 + h * merged;  // (the panel's heads read o's K/V rows)
         const RowState<acc_t> st = head_state(h, bq);
         int64_t ldk = 0, ldv;
         const void* keys = tiles_.key_source(Tiles::KeySide::K, o, k0);
         const bool transposed = keys == kt_keys && cols == kt_cols && !Tiles::scores_in_lanes(rows);
-        queue_next_head_block(h, k0, kv_end, rows, o0, transposed);
+        queue_next_head_block(h, panels, k0, kv_end, rows, o0, transposed);
         PrefetchQueue* pq = &prefetch_;
         const acc_t* k =
             transposed ? nullptr
@@ -262,7 +258,8 @@ class ForwardKernel {
         tiles_.few_row_scores(k, ldk, cols, head_rows(h, bq), rows, ls, ws_.st, ws_.kt, pq,
                               transposed);
         kt_keys = keys, kt_cols = cols;
-        tiles_.transform_scores(o, 0, rows, ls, k0, cols, ws_.st, ws_.mt);
+        tiles_.transform_scores(o, 0, rows, ls, k0, cols, ws_.st, ws_.mt, nullptr, false,
+                                per_head);
         if (rows <= w) {
           softmax_step<1>(ls, cols, st, /*terms=*/nullptr, pq);
         } else {
@@ -276,10 +273,10 @@ class ForwardKernel {
             NoEpilogue{}, pq);
       }
     }
-    for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t h = 0; h < panels; ++h) {
       const RowState<acc_t> st = head_state(h, bq);
       if (split_.kv_splits == 1) {
-        write_output(o0 + h, 0, rows, st);
+        write_panel(o0 + h * merged, per_head, st);
         continue;
       }
       acc_t* part = partial(g, chunk, h);
@@ -297,9 +294,9 @@ class ForwardKernel {
   void combine(int64_t g) {
     const int64_t o0 = g * split_.heads;
     p_ = sequence_of(p_, o0);
-    const int64_t rows = p_.len_q, dv = ws_.dv;
+    const int64_t merged = split_.merged, rows = merged * p_.len_q, dv = ws_.dv;
     const RowState<acc_t> st = head_state(0, round_up(std::max<int64_t>(rows, 1), nr));
-    for (int64_t h = 0; h < split_.heads; ++h) {
+    for (int64_t h = 0; h < split_.heads / merged; ++h) {
       for (int64_t i = 0; i < rows; ++i) {
         acc_t top = neg_inf<acc_t>();
         for (int64_t c = 0; c < split_.kv_splits; ++c) {
@@ -326,13 +323,13 @@ class ForwardKernel {
         st.m[i] = top;
         st.l[i] = l;
       }
-      write_output(o0 + h, 0, rows, st);
+      write_panel(o0 + h * merged, p_.len_q, st);
     }
   }
 
  private:
-  // Decoding: queues the keys and values of the (head, key block) after
-  // head h's block at k0 into L2, paced over the bursts that h's block
+  // Decoding: queues the keys and values of the (panel, key block) after
+  // panel h's block at k0 into L2, paced over the bursts that h's block
   // issues (those of its scores, few_row_bursts, one every
   // kSoftmaxKeysPerBurst keys of its softmax and one per micro-kernel call
   // of its P·V); the loads find them there. Into L1 (prefetcht0), each
@@ -344,23 +341,22 @@ class ForwardKernel {
   // 21.3-21.8 GB/s of K/V at S=32768 and 14.8-16.8 at 4096, into L2 two
   // ahead and into L1 one ahead (the choice before) 18.4-19.2 and 13.0-15.3,
   // into L2 two or three ahead 20.7-21.7 and 14.4-16.5; the AVX2 path alike.
-  void queue_next_head_block(int64_t h, int64_t k0, int64_t kv_end, int64_t rows, int64_t o0,
-                             bool keys_transposed) {
-    const bool last_head = h + 1 == split_.heads;
-    const int64_t next_h = last_head ? 0 : h + 1;
+  void queue_next_head_block(int64_t h, int64_t panels, int64_t k0, int64_t kv_end,
+                             int64_t rows, int64_t o0, bool keys_transposed) {
+    const bool last_head = h + 1 == panels;
+    const int64_t o = o0 + h * split_.merged;
+    const int64_t next_o = last_head ? o0 : o + split_.merged;
     const int64_t next_k0 = last_head ? k0 + split_.block_kv : k0;
     const int64_t next_cols = std::min(split_.block_kv, kv_end - next_k0);
     // (Not where the next head reads this one's rows: they are here already.)
     auto same_rows = [&](Tiles::KeySide side) {
-      return tiles_.key_source(side, o0 + next_h, next_k0) == tiles_.key_source(side, o0 + h, k0);
+      return tiles_.key_source(side, next_o, next_k0) == tiles_.key_source(side, o, k0);
     };
     if (next_cols > 0 && !same_rows(Tiles::KeySide::K)) {
-      tiles_.queue_key_rows(prefetch_, Tiles::KeySide::K, o0 + next_h, next_k0, next_cols,
-                            p_.dim_qk);
+      tiles_.queue_key_rows(prefetch_, Tiles::KeySide::K, next_o, next_k0, next_cols, p_.dim_qk);
     }
     if (next_cols > 0 && !same_rows(Tiles::KeySide::V)) {
-      tiles_.queue_key_rows(prefetch_, Tiles::KeySide::V, o0 + next_h, next_k0, next_cols,
-                            p_.dim_v);
+      tiles_.queue_key_rows(prefetch_, Tiles::KeySide::V, next_o, next_k0, next_cols, p_.dim_v);
     }
     const int64_t cols = std::min(split_.block_kv, kv_end - k0);
     prefetch_.pace(tiles_.few_row_bursts(cols, rows, keys_transposed) +
@@ -460,12 +456,43 @@ class ForwardKernel {
   int64_t chunk_length(int64_t len_kv) const {
     return round_up(div_up(std::max<int64_t>(len_kv, 1), split_.kv_splits), split_.block_kv);
   }
-  // Chunk c's partial state of head h of group g: m, l (kFewRows each), o
+  // Chunk c's partial state of panel h of group g: m, l (kFewRows each), o
   // (kFewRows × dv).
   acc_t* partial(int64_t g, int64_t c, int64_t h) const {
     const int64_t record = 2 * kFewRows + kFewRows * ws_.dv;
     return static_cast<acc_t*>(split_.partials) +
            ((g * split_.kv_splits + c) * split_.heads + h) * record;
+  }
+
+  // Decoding: panel h of the item, the rows of heads o..o+merged (per_head
+  // each), packed as one head's: their scaled queries side by side, and
+  // each head's rows started with its own sink (only chunk 0 has it).
+  void start_panel(int64_t o, int64_t per_head, int64_t bq, int64_t chunk, int64_t h) {
+    const int64_t merged = split_.merged, rows = merged * per_head;
+    const RowState<acc_t> st = head_state(h, bq);
+    if (rows > 0) {
+      const int64_t lanes = Tiles::few_row_lanes(rows);
+      for (int64_t m = 0; m < merged; ++m) {
+        // (The last head's call zeroes the panel's lanes past its rows.)
+        const int64_t padded = m + 1 == merged ? lanes - m * per_head : per_head;
+        tiles_.pack_transposed(p_.q, o + m, 0, per_head, padded, p_.dim_qk,
+                               static_cast<acc_t>(p_.scale), head_rows(h, bq) + m * per_head,
+                               lanes);
+      }
+    }
+    start_rows(o, rows, bq, /*with_sink=*/chunk == 0, st);
+    if (chunk != 0 || !has_sinks(p_)) return;
+    for (int64_t m = 1; m < merged; ++m) {
+      std::fill_n(st.m + m * per_head, per_head, static_cast<acc_t>(sink_logit(p_, o + m)));
+    }
+  }
+
+  // Decoding: writes panel state st's rows out, per_head for each of heads o, o + 1, ...
+  void write_panel(int64_t o, int64_t per_head, const RowState<acc_t>& st) {
+    for (int64_t m = 0; m < split_.merged; ++m) {
+      const int64_t r = m * per_head;
+      write_output(o + m, 0, per_head, {st.m + r, st.l + r, st.alpha + r, st.o + r * ws_.dv});
+    }
   }
 
   // Zero output, and the running max and sum: −∞ and 0, or with a sink
@@ -704,6 +731,29 @@ WorkSplit configure(const AttentionParams& p, int64_t threads) {
         split.heads = h;  // (else the fewest: key chunks make up the rest)
         if (p.num_outer / h * chunks >= 2 * threads) break;
       }
+    }
+    // Several query rows per head (speculative decoding's drafts): the rows
+    // of as many heads of a K/V head as fit kFewRows share each score tile,
+    // so that the softmax and P·V work on up to 8 rows at a time, not 2-4,
+    // and each block is transposed once for fewer, deeper tiles. (The band is
+    // applied per head's rows; ALiBi and masks, which tell heads or rows
+    // apart otherwise, keep one head per tile. Zen 4, E=128, H=32 over
+    // H_kv=8, S=4096, caches flushed: 2 queries per head 1.6-1.8x faster,
+    // 3 queries 1.3x. On 16-lane vectors with 4 rows per head or more, the
+    // 8-row tiles take lane_scores, which then fills half its lanes: no
+    // faster with 4 query heads per K/V head, 10% slower with 8; on AVX2
+    // 1.27x and 1.44x faster, so there they merge too.)
+    constexpr int64_t w = Vectorized<acc_t>::size();
+    if (p.len_q > 1 && (p.len_q < 4 || w < 16) && p.mask_kind == MaskKind::None &&
+        !p.alibi_slopes.data) {
+      // (Of the item's heads, those that read the same K/V rows and, with
+      // key lengths, the same length: where the last outer dim is not the
+      // heads (one query head), it may be sequences with keys of their own.)
+      int64_t share = std::gcd(heads_sharing_kv(p), split.heads);
+      if (p.key_lengths) share = std::gcd(share, p.key_lengths_group);
+      int64_t merged = std::min(share, kFewRows / p.len_q);
+      while (merged > 1 && share % merged != 0) --merged;
+      split.merged = std::max<int64_t>(merged, 1);
     }
     const int64_t groups = p.num_outer / split.heads;
     // Enough chunks that every thread gets about two items.

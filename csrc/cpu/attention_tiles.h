@@ -1069,12 +1069,18 @@ class TileReader {
   // = 1 − (capped / c)², laid out like st (the backward's chain rule). mt is
   // scratch of w × round_up(cols, w). With shared_terms, the mask is left
   // out: the caller adds mask_terms' tile (shared by several heads) itself.
+  // A period p > 0 (decoding's merged heads: rows of several heads, p
+  // each, that share the rest) takes row i as query q0 + i % p for the band;
+  // then there is no ALiBi and no mask.
   void transform_scores(int64_t o, int64_t q0, int64_t rows, int64_t bq, int64_t k0,
                         int64_t cols, acc_t* st, acc_t* mt, acc_t* dcap = nullptr,
-                        bool shared_terms = false) const {
+                        bool shared_terms = false, int64_t period = 0) const {
     if (p_.softcap > 0 && dcap) softcap_derivative(cols * bq, st, dcap);
     if (p_.alibi_slopes.data) apply_alibi(o, q0, bq, k0, cols, st);
-    if (has_band(p_)) apply_band(q0, rows, bq, k0, cols, st);
+    if (has_band(p_)) {
+      const int64_t step = period > 0 ? period : std::max<int64_t>(rows, 1);
+      for (int64_t i = 0; i < rows; i += step) apply_band(q0, step, bq, k0, cols, st + i);
+    }
     // Keys past o's length (suffix padding): rows of −inf.
     const int64_t keys = keys_of(p_, o);
     for (int64_t j = std::max<int64_t>(keys - k0, 0); j < cols; ++j) {

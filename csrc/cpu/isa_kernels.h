@@ -40,6 +40,10 @@ struct WorkSplit {
   // group's by log-sum-exp.
   bool decode = false;
   int64_t heads = 1;
+  // Decoding several query rows per head (L > 1): the rows of `merged`
+  // consecutive heads that read the same K/V rows, L each, are the rows of
+  // one score tile (a "panel"), as if they were one head's.
+  int64_t merged = 1;
   int64_t kv_splits = 1;
   size_t partial_bytes = 0;
   void* partials = nullptr;

@@ -59,6 +59,7 @@ def test_decode_benchmark_smoke_run():
                          capture_output=True, text=True, timeout=600, env=dict(os.environ))
     assert res.returncode == 0, res.stderr
     assert "memory read bandwidth" in res.stdout and "vs torch" in res.stdout, res.stdout
+    assert "% sum" in res.stdout, res.stdout  # (the plain read of the same bytes, beside each row)
 
 
 def test_peak_probe_is_a_plausible_number():

@@ -248,3 +248,134 @@ def test_few_queries_per_head_share_each_key_block(dtype, name, L, S):
     tol = dict(rtol=2e-5, atol=2e-6) if dtype == torch.float32 else {}
     torch.testing.assert_close(out.double(), ref, **tol)
     torch.testing.assert_close(lse.double(), ref_lse, **tol)
+
+
+# A few queries per head with the rows of several query heads of a K/V head merged into one
+# score tile (G·L <= 8: 4 heads × 2 rows, 2 × 3, 3 × 2, 2 × 4 on AVX2): each row keeps its own
+# position for the band, each head its own sink, and with split keys the merge writes every
+# head's rows back. Forced to each runnable ISA level: the tiles' vector paths differ by width.
+MERGED = {
+    "plain": dict(),
+    "causal_bottom_right": dict(is_causal=True, bottom_right=True),
+    "causal_top_left": dict(is_causal=True),
+    "window": dict(is_causal=True, bottom_right=True, window_left=5),
+    "sinks": dict(sinks=True),
+    "padding_mask": dict(mask="padding"),
+}
+
+
+@pytest.mark.parametrize("level", ["default", "avx2", "avx512"])
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("kv_layout", ["bhse", "bshe"])
+@pytest.mark.parametrize("heads", [(16, 4, 2), (16, 2, 3), (12, 2, 2), (8, 2, 4)], ids=["g4l2", "g8l3", "g6l2", "g4l4"])
+@pytest.mark.parametrize("name", list(MERGED))
+def test_few_queries_of_several_heads_share_a_tile(name, heads, kv_layout, threads, level, monkeypatch):
+    from test_isa_levels import NEEDS, cpu_flags
+    if level not in fusedmha.build_info()["cpu_isas"] or not NEEDS[level] <= cpu_flags():
+        pytest.skip(f"{level} is not runnable here")
+    monkeypatch.setenv("FUSEDMHA_CPU_ISA", level)
+    (H, Hkv, L), B, E, S = heads, 2, 24, 700
+    kw = dict(MERGED[name])
+    q = torch.randn(B, L, H, E, dtype=torch.float64).transpose(1, 2)  # (the projection's layout)
+    if kv_layout == "bhse":
+        k, v = (torch.randn(B, Hkv, S, E, dtype=torch.float64) for _ in range(2))
+    else:
+        k, v = (torch.randn(B, S, Hkv, E, dtype=torch.float64).transpose(1, 2) for _ in range(2))
+    mask = None
+    if kw.pop("mask", None):  # (a key-length mask: the second sequence sees a third of the keys)
+        mask = torch.arange(S)[None, None, None, :] < torch.tensor([S, S // 3])[:, None, None, None]
+    if kw.pop("sinks", False):
+        kw["sinks"] = torch.randn(H, dtype=torch.float64)
+    is_causal = kw.pop("is_causal", False)
+    out, lse = forward_at_threads(threads, q, k, v, mask, is_causal, **kw)
+    ref, ref_lse, _ = reference_variants(q, k, v, mask, is_causal, enable_gqa=True, **kw)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(lse, ref_lse)
+    # float32 (the merged tile's rows in vector lanes, or the keys transposed, by the width)
+    out32, lse32 = forward_at_threads(threads, q.float(), k.float(), v.float(), mask, is_causal,
+                                      **{n: (t.float() if torch.is_tensor(t) else t) for n, t in kw.items()})
+    torch.testing.assert_close(out32.double(), ref, rtol=2e-5, atol=2e-6)
+    torch.testing.assert_close(lse32.double(), ref_lse, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_varlen_drafts_of_different_lengths_share_tiles(paged):
+    """Packed sequences with 2, 1 and 3 new queries over caches of their own lengths (the
+    decode path sizes its tiles for the longest, 3 rows per head): causal, bottom-right per
+    sequence; then flash_attn_with_kvcache with 2 draft tokens per sequence, paged or not."""
+    H, Hkv, E, page = 16, 4, 16, 64
+    lens_q, lens_k = [2, 1, 3], [300, 700, 520]
+    cu_q = torch.tensor([0, 2, 3, 6], dtype=torch.int32)
+    cu_k = torch.tensor([0, 300, 1000, 1520], dtype=torch.int32)
+    q = torch.randn(6, H, E)
+    k, v = torch.randn(1520, Hkv, E), torch.randn(1520, Hkv, E)
+    out = fusedmha.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 700, causal=True)
+    for b in range(3):
+        qs, ks = q[cu_q[b]:cu_q[b + 1]], slice(int(cu_k[b]), int(cu_k[b + 1]))
+        ref, _, _ = reference_variants(qs.transpose(0, 1), k[ks].transpose(0, 1), v[ks].transpose(0, 1),
+                                       None, True, enable_gqa=True, bottom_right=True)
+        torch.testing.assert_close(out[cu_q[b]:cu_q[b + 1]].double(), ref.transpose(0, 1), rtol=2e-5, atol=2e-6)
+
+    B, L, S = 2, 2, 700
+    rows = -(-(S + L) // page) * page
+    qd = torch.randn(B, L, H, E)
+    k_cache, v_cache = torch.randn(B, rows, Hkv, E), torch.randn(B, rows, Hkv, E)
+    k_new, v_new = torch.randn(B, L, Hkv, E), torch.randn(B, L, Hkv, E)
+    seqlens = torch.tensor([S, S // 3], dtype=torch.int32)
+    expect_k, expect_v = k_cache.clone(), v_cache.clone()
+    for b in range(B):
+        n = int(seqlens[b])
+        expect_k[b, n:n + L], expect_v[b, n:n + L] = k_new[b], v_new[b]
+    if paged:
+        pages = B * rows // page
+        table = torch.randperm(pages).view(B, -1).to(torch.int32)
+        k_pages, v_pages = torch.empty(pages, page, Hkv, E), torch.empty(pages, page, Hkv, E)
+        k_pages[table.flatten().long()] = k_cache.reshape(-1, page, Hkv, E)
+        v_pages[table.flatten().long()] = v_cache.reshape(-1, page, Hkv, E)
+        out = fusedmha.flash_attn_with_kvcache(qd, k_pages, v_pages, k_new, v_new, cache_seqlens=seqlens,
+                                               block_table=table, causal=True)
+    else:
+        out = fusedmha.flash_attn_with_kvcache(qd, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens,
+                                               causal=True)
+    for b in range(B):
+        n = int(seqlens[b]) + L
+        ref, _, _ = reference_variants(qd[b:b + 1].transpose(1, 2), expect_k[b:b + 1, :n].transpose(1, 2),
+                                       expect_v[b:b + 1, :n].transpose(1, 2), None, True, enable_gqa=True,
+                                       bottom_right=True)
+        torch.testing.assert_close(out[b:b + 1].double(), ref.transpose(1, 2), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_one_query_head_per_sequence_keeps_its_sequences_apart(paged):
+    """A single query head (H = H_kv = 1): the last outer dim is then the batch, whose
+    sequences read keys of their own (a kvcache's, found through their lengths or pages) and
+    must not share score tiles; nor may batch indices that share one broadcast K/V but see
+    keys of different lengths."""
+    B, L, E, S, page = 4, 3, 16, 600, 64
+    rows = -(-S // page) * page
+    q = torch.randn(B, L, 1, E)
+    k_cache, v_cache = torch.randn(B, rows, 1, E), torch.randn(B, rows, 1, E)
+    seqlens = torch.tensor([S, 400, 300, 520], dtype=torch.int32)
+    if paged:
+        pages = B * rows // page
+        table = torch.randperm(pages).view(B, -1).to(torch.int32)
+        k_pages, v_pages = torch.empty(pages, page, 1, E), torch.empty(pages, page, 1, E)
+        k_pages[table.flatten().long()] = k_cache.reshape(-1, page, 1, E)
+        v_pages[table.flatten().long()] = v_cache.reshape(-1, page, 1, E)
+        out = fusedmha.flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=seqlens, block_table=table,
+                                               causal=True)
+    else:
+        out = fusedmha.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True)
+    for b in range(B):
+        n = int(seqlens[b])
+        ref, _, _ = reference_variants(q[b:b + 1].transpose(1, 2), k_cache[b:b + 1, :n].transpose(1, 2),
+                                       v_cache[b:b + 1, :n].transpose(1, 2), None, True, bottom_right=True)
+        torch.testing.assert_close(out[b:b + 1].double(), ref.transpose(1, 2), rtol=2e-5, atol=2e-6)
+
+    qd = torch.randn(B, 1, 2, E, dtype=torch.float64)
+    k, v = (torch.randn(1, 1, S, E, dtype=torch.float64).expand(B, 1, S, E) for _ in range(2))
+    mask = torch.arange(S)[None, None, None, :] < seqlens.long()[:, None, None, None]
+    out, lse = forward_at_threads(2, qd, k, v, mask, False)
+    ref, ref_lse, _ = reference_variants(qd, k, v, mask, False)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(lse, ref_lse)
