@@ -735,17 +735,12 @@ WorkSplit configure(const AttentionParams& p, int64_t threads) {
     // Several query rows per head (speculative decoding's drafts): the rows
     // of as many heads of a K/V head as fit kFewRows share each score tile,
     // so that the softmax and P·V work on up to 8 rows at a time, not 2-4,
-    // and each block is transposed once for fewer, deeper tiles. (The band is
-    // applied per head's rows; ALiBi and masks, which tell heads or rows
-    // apart otherwise, keep one head per tile. Zen 4, E=128, H=32 over
-    // H_kv=8, S=4096, caches flushed: 2 queries per head 1.6-1.8x faster,
-    // 3 queries 1.3x. On 16-lane vectors with 4 rows per head or more, the
-    // 8-row tiles take lane_scores, which then fills half its lanes: no
-    // faster with 4 query heads per K/V head, 10% slower with 8; on AVX2
-    // 1.27x and 1.44x faster, so there they merge too.)
-    constexpr int64_t w = Vectorized<acc_t>::size();
-    if (p.len_q > 1 && (p.len_q < 4 || w < 16) && p.mask_kind == MaskKind::None &&
-        !p.alibi_slopes.data) {
+    // and each block's keys serve fewer, deeper tiles. (The band is applied
+    // per head's rows; ALiBi and masks, which tell heads or rows apart
+    // otherwise, keep one head per tile. Zen 4, E=128, H=32 over H_kv=8,
+    // S=4096, caches flushed: 2 queries per head 1.6-1.8x faster, 3 queries
+    // 1.4x, 4 queries 1.1x; on AVX2 1.6x, 1.5x and 1.4x.)
+    if (p.len_q > 1 && p.mask_kind == MaskKind::None && !p.alibi_slopes.data) {
       // (Of the item's heads, those that read the same K/V rows and, with
       // key lengths, the same length: where the last outer dim is not the
       // heads (one query head), it may be sequences with keys of their own.)

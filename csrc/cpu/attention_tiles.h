@@ -963,8 +963,17 @@ class TileReader {
   static constexpr int64_t kScoreDimsPerBurst = 8;
 
   // Whether few_row_scores takes lane_scores for `rows` rows (else the keys
-  // transposed).
-  static constexpr bool scores_in_lanes(int64_t rows) { return 2 * rows >= w && rows <= w; }
+  // transposed): where they fill more than half of 16 lanes, or half of 8 or
+  // more. (On Zen 4, E=128, caches flushed, alternating in one process: 8
+  // rows in 16 lanes, the lanes' half empty, against the keys transposed
+  // once for every tile of 8 rows that reads them: 32 query heads over one
+  // K/V head 1.39x faster transposed, 16 over one (two tiles) 1.20x, 4
+  // queries each of 8 heads over a K/V head (merged two heads a tile) 1.10x,
+  // one tile of 8 rows 1.02-1.06x. On AVX2, 4 rows in 8 lanes against
+  // transposed keys: within 2%, so there the lanes stay.)
+  static constexpr bool scores_in_lanes(int64_t rows) {
+    return rows <= w && (w >= 16 ? 2 * rows > w : 2 * rows >= w);
+  }
 
   // The query lanes few_row_scores wants `rows` rows packed in: a panel of
   // nr where lane_scores loads them as vectors, else just the rows, which

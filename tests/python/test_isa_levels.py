@@ -99,9 +99,9 @@ def test_probabilities_of_huge_scores_match_the_forward(level, L, H, H_kv, S, E,
     with scores of 1e30 one ulp between the two is a factor e^(±1e23), so the forward's scores
     must equal the GEMM's to the bit. That covers the few-row paths: short query blocks, and
     decoding (S >= 256), whose GQA groups read their 4 or 8 query heads as rows of one block
-    (with L = 2 up to 16 rows: transposed keys, or the keys as rows, by the vector width; 32
-    heads over one K/V head as 4 blocks of 8, 11 as heads of their own sharing each key
-    block's transpose);
+    (with L = 2 and 4 the rows of 4 or 2 heads share a tile of 8; transposed keys, or the keys
+    as rows, by the vector width; 32 heads over one K/V head as 4 blocks of 8, 11 as heads of
+    their own sharing each key block's transpose);
     E = 160 sums the head dim in chunks (64, 64, 32), which every path must split alike.
     Then every row of probabilities sums to 1 and the output is probs @ v."""
     if level not in fusedmha.build_info()["cpu_isas"] or not NEEDS[level] <= cpu_flags():
