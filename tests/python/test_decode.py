@@ -36,6 +36,28 @@ def forward_at_threads(threads, q, k, v, mask, is_causal, **variants):
     return out, lse
 
 
+def paged_copies(k_cache, v_cache, page):
+    """(B, rows, H_kv, E) caches as pages of `page` rows in shuffled order: (k_pages, v_pages,
+    block_table), sequence b's rows at the pages its table row names."""
+    B, rows, Hkv, E = k_cache.shape
+    pages = B * rows // page
+    table = torch.randperm(pages).view(B, -1).to(torch.int32)
+    k_pages = torch.empty(pages, page, Hkv, E, dtype=k_cache.dtype)
+    v_pages = torch.empty(pages, page, Hkv, E, dtype=v_cache.dtype)
+    k_pages[table.flatten().long()] = k_cache.reshape(-1, page, Hkv, E)
+    v_pages[table.flatten().long()] = v_cache.reshape(-1, page, Hkv, E)
+    return k_pages, v_pages, table
+
+
+def with_kvcache(paged, page, q, k_cache, v_cache, *new_kv, **kw):
+    """flash_attn_with_kvcache over the caches as they are, or (paged) over paged_copies of
+    them through a block table."""
+    if not paged:
+        return fusedmha.flash_attn_with_kvcache(q, k_cache, v_cache, *new_kv, **kw)
+    k_pages, v_pages, table = paged_copies(k_cache, v_cache, page)
+    return fusedmha.flash_attn_with_kvcache(q, k_pages, v_pages, *new_kv, block_table=table, **kw)
+
+
 # 37 keys: one key block; 2500: long enough that decoding splits the keys into chunks
 # across threads, merged by log-sum-exp, where each K/V row holds every head ("bshe": a
 # cache's (B, S, H_kv, E) viewed as (B, H_kv, S, E), with 2 K/V heads); with each head's keys
@@ -153,14 +175,7 @@ def test_short_cache_of_whole_rows_is_shared_by_heads(S, paged):
     rows = -(-S // page) * page
     q = torch.randn(B, 1, H, E)
     k_cache, v_cache = torch.randn(B, rows, Hkv, E), torch.randn(B, rows, Hkv, E)
-    if paged:
-        table = torch.randperm(rows // page).view(1, -1).to(torch.int32)
-        k_pages, v_pages = torch.empty(rows // page, page, Hkv, E), torch.empty(rows // page, page, Hkv, E)
-        k_pages[table[0].long()] = k_cache.view(-1, page, Hkv, E)
-        v_pages[table[0].long()] = v_cache.view(-1, page, Hkv, E)
-        out = fusedmha.flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=S, block_table=table)
-    else:
-        out = fusedmha.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=S)
+    out = with_kvcache(paged, page, q, k_cache, v_cache, cache_seqlens=S)
     ref, _, _ = reference_variants(q.transpose(1, 2).double(), k_cache[:, :S].transpose(1, 2).double(),
                                    v_cache[:, :S].transpose(1, 2).double(), enable_gqa=True)
     torch.testing.assert_close(out.double(), ref.transpose(1, 2), rtol=2e-5, atol=2e-6)
@@ -210,16 +225,7 @@ def test_kvcache_decode_with_multi_query_attention(dtype, H, causal, paged):
     q = torch.randn(B, 1, H, E).to(dtype)
     k_cache, v_cache = torch.randn(B, rows, 1, E).to(dtype), torch.randn(B, rows, 1, E).to(dtype)
     seqlens = torch.tensor([S, S // 3], dtype=torch.int32)
-    if paged:
-        pages = B * rows // page
-        table = torch.randperm(pages).view(B, -1).to(torch.int32)
-        k_pages, v_pages = torch.empty(pages, page, 1, E, dtype=dtype), torch.empty(pages, page, 1, E, dtype=dtype)
-        k_pages[table.flatten().long()] = k_cache.reshape(-1, page, 1, E)
-        v_pages[table.flatten().long()] = v_cache.reshape(-1, page, 1, E)
-        out = fusedmha.flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=seqlens, block_table=table,
-                                               causal=causal)
-    else:
-        out = fusedmha.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=causal)
+    out = with_kvcache(paged, page, q, k_cache, v_cache, cache_seqlens=seqlens, causal=causal)
     tol = dict(rtol=2e-5, atol=2e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-2)
     for b in range(B):  # (one query row at the end of each cache: causal hides nothing)
         n = int(seqlens[b])
@@ -326,17 +332,7 @@ def test_varlen_drafts_of_different_lengths_share_tiles(paged):
     for b in range(B):
         n = int(seqlens[b])
         expect_k[b, n:n + L], expect_v[b, n:n + L] = k_new[b], v_new[b]
-    if paged:
-        pages = B * rows // page
-        table = torch.randperm(pages).view(B, -1).to(torch.int32)
-        k_pages, v_pages = torch.empty(pages, page, Hkv, E), torch.empty(pages, page, Hkv, E)
-        k_pages[table.flatten().long()] = k_cache.reshape(-1, page, Hkv, E)
-        v_pages[table.flatten().long()] = v_cache.reshape(-1, page, Hkv, E)
-        out = fusedmha.flash_attn_with_kvcache(qd, k_pages, v_pages, k_new, v_new, cache_seqlens=seqlens,
-                                               block_table=table, causal=True)
-    else:
-        out = fusedmha.flash_attn_with_kvcache(qd, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens,
-                                               causal=True)
+    out = with_kvcache(paged, page, qd, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, causal=True)
     for b in range(B):
         n = int(seqlens[b]) + L
         ref, _, _ = reference_variants(qd[b:b + 1].transpose(1, 2), expect_k[b:b + 1, :n].transpose(1, 2),
@@ -356,16 +352,7 @@ def test_one_query_head_per_sequence_keeps_its_sequences_apart(paged):
     q = torch.randn(B, L, 1, E)
     k_cache, v_cache = torch.randn(B, rows, 1, E), torch.randn(B, rows, 1, E)
     seqlens = torch.tensor([S, 400, 300, 520], dtype=torch.int32)
-    if paged:
-        pages = B * rows // page
-        table = torch.randperm(pages).view(B, -1).to(torch.int32)
-        k_pages, v_pages = torch.empty(pages, page, 1, E), torch.empty(pages, page, 1, E)
-        k_pages[table.flatten().long()] = k_cache.reshape(-1, page, 1, E)
-        v_pages[table.flatten().long()] = v_cache.reshape(-1, page, 1, E)
-        out = fusedmha.flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=seqlens, block_table=table,
-                                               causal=True)
-    else:
-        out = fusedmha.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True)
+    out = with_kvcache(paged, page, q, k_cache, v_cache, cache_seqlens=seqlens, causal=True)
     for b in range(B):
         n = int(seqlens[b])
         ref, _, _ = reference_variants(q[b:b + 1].transpose(1, 2), k_cache[b:b + 1, :n].transpose(1, 2),
