@@ -366,3 +366,16 @@ def test_one_query_head_per_sequence_keeps_its_sequences_apart(paged):
     ref, ref_lse, _ = reference_variants(qd, k, v, mask, False)
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(lse, ref_lse)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads", [(16, 4, 2), (16, 2, 3), (8, 2, 4)], ids=["g4l2", "g8l3", "g4l4"])
+def test_few_queries_of_several_heads_share_a_tile_in_half_precision(heads, dtype):
+    """Each head's half-precision query rows are widened into their place in the shared tile."""
+    (H, Hkv, L), B, E, S = heads, 2, 40, 900
+    q = torch.randn(B, L, H, E).to(dtype).transpose(1, 2)
+    k, v = (torch.randn(B, S, Hkv, E).to(dtype).transpose(1, 2) for _ in range(2))
+    out, lse = forward_at_threads(3, q, k, v, None, True, bottom_right=True)
+    ref, ref_lse, _ = reference_variants(q, k, v, None, True, enable_gqa=True, bottom_right=True)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=1e-2)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-3, atol=1e-3)
