@@ -676,15 +676,19 @@ int64_t decode_block(const AttentionParams& p) {
 }
 
 // Of the last outer dim's indices (decoding's heads), how many in a row
-// read the same K/V rows: the query heads of a K/V head where they are not
-// read as rows of one item, all of them where K or V has a single head.
-int64_t heads_sharing_kv(const AttentionParams& p) {
+// read the same rows of m (p.k or p.v): the query heads of a K/V head where
+// they are not read as rows of one item, all of them where m has a single
+// head.
+int64_t heads_sharing(const AttentionParams& p, const Matrix& m) {
   if (p.outer.dims == 0) return 1;
   const int d = p.outer.dims - 1;
-  auto sharing = [&](const Matrix& m) {
-    return m.outer_stride[d] == 0 ? p.outer.size[d] : m.divisor[d];
-  };
-  return std::lcm(sharing(p.k), sharing(p.v));
+  return m.outer_stride[d] == 0 ? p.outer.size[d] : m.divisor[d];
+}
+
+// Runs of heads that an item keeps together: each K head's and each V
+// head's readers are within one run.
+int64_t heads_sharing_kv(const AttentionParams& p) {
+  return std::lcm(heads_sharing(p, p.k), heads_sharing(p, p.v));
 }
 
 template <typename acc_t>
@@ -741,10 +745,13 @@ WorkSplit configure(const AttentionParams& p, int64_t threads) {
     // S=4096, caches flushed: 2 queries per head 1.6-1.8x faster, 3 queries
     // 1.4x, 4 queries 1.1x; on AVX2 1.6x, 1.5x and 1.4x.)
     if (p.len_q > 1 && p.mask_kind == MaskKind::None && !p.alibi_slopes.data) {
-      // (Of the item's heads, those that read the same K/V rows and, with
-      // key lengths, the same length: where the last outer dim is not the
-      // heads (one query head), it may be sequences with keys of their own.)
-      int64_t share = std::gcd(heads_sharing_kv(p), split.heads);
+      // (Of the item's heads, those that read the same K rows, the same V
+      // rows (K and V may have different head counts, or one broadcast) and,
+      // with key lengths, the same length: where the last outer dim is not
+      // the heads (one query head), it may be sequences with keys of their
+      // own.)
+      const int64_t same_kv = std::gcd(heads_sharing(p, p.k), heads_sharing(p, p.v));
+      int64_t share = std::gcd(same_kv, split.heads);
       if (p.key_lengths) share = std::gcd(share, p.key_lengths_group);
       int64_t merged = std::min(share, kFewRows / p.len_q);
       while (merged > 1 && share % merged != 0) --merged;

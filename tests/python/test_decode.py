@@ -267,6 +267,9 @@ MERGED = {
     "window": dict(is_causal=True, bottom_right=True, window_left=5),
     "sinks": dict(sinks=True),
     "padding_mask": dict(mask="padding"),
+    "window_two_sided": dict(window_left=7, window_right=3, bottom_right=True),
+    "window_top_left": dict(is_causal=True, window_left=5),
+    "sinks_window": dict(sinks=True, is_causal=True, bottom_right=True, window_left=9),
 }
 
 
@@ -379,3 +382,58 @@ def test_few_queries_of_several_heads_share_a_tile_in_half_precision(heads, dtyp
     ref, ref_lse, _ = reference_variants(q, k, v, None, True, enable_gqa=True, bottom_right=True)
     torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=1e-2)
     torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("shapes", [((1, 4, 2), 1, 4), ((1, 8, 2), 2, 4), ((1, 8, 3), 4, 1), ((3, 1, 2), "k", None)],
+                         ids=["k_one_head", "k2_v4", "k4_v1", "k_over_batch"])
+def test_shared_tiles_need_both_k_and_v_shared(shapes, threads):
+    """K and V may have different head counts (or one broadcast): only heads that read the same
+    K rows and the same V rows may share a tile. Last: K broadcast over the batch (with a single
+    head, the last outer dim), V per batch index."""
+    (B, H, L), hk, hv = shapes
+    E, S = 16, 700
+    q = torch.randn(B, H, L, E, dtype=torch.float64)
+    if hk == "k":
+        k = torch.randn(1, 1, S, E, dtype=torch.float64).expand(B, 1, S, E)
+        v = torch.randn(B, 1, S, E, dtype=torch.float64)
+    else:
+        k, v = torch.randn(B, hk, S, E, dtype=torch.float64), torch.randn(B, hv, S, E, dtype=torch.float64)
+    out, lse = forward_at_threads(threads, q, k, v, None, True, bottom_right=True)
+    ref, ref_lse, _ = reference_variants(q, k, v, None, True, enable_gqa=True, bottom_right=True)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(lse, ref_lse)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_nan_query_stays_in_its_row_of_a_shared_tile(threads):
+    """A NaN in one query row of one head makes that row NaN and no other row of its tile,
+    with the keys split across threads and merged (a cache's (B, S, H_kv, E) rows)."""
+    B, H, Hkv, L, E, S = 1, 16, 4, 2, 16, 2500
+    q = torch.randn(B, H, L, E)
+    q[0, 5, 1, 3] = float("nan")
+    k, v = (torch.randn(B, S, Hkv, E).transpose(1, 2) for _ in range(2))
+    out, lse = forward_at_threads(threads, q, k, v, None, True, bottom_right=True)
+    ref, ref_lse, _ = reference_variants(q, k, v, None, True, enable_gqa=True, bottom_right=True)
+    assert out[0, 5, 1].isnan().all() and lse[0, 5, 1].isnan()
+    assert out.isnan().sum() == E and lse.isnan().sum() == 1
+    others = torch.ones(B, H, L, dtype=torch.bool)
+    others[0, 5, 1] = False
+    torch.testing.assert_close(out[others].double(), ref[others], rtol=2e-5, atol=2e-6)
+    torch.testing.assert_close(lse[others].double(), ref_lse[others], rtol=2e-5, atol=2e-6)
+
+
+def test_a_sequence_without_queries_among_shared_tiles():
+    """Packed sequences with 2, 0 and 3 new queries: the empty one writes nothing, the others
+    share tiles sized for the longest (2 heads × 3 rows)."""
+    H, Hkv, E = 16, 4, 16
+    cu_q = torch.tensor([0, 2, 2, 5], dtype=torch.int32)
+    cu_k = torch.tensor([0, 400, 1100, 1700], dtype=torch.int32)
+    q = torch.randn(5, H, E)
+    k, v = torch.randn(1700, Hkv, E), torch.randn(1700, Hkv, E)
+    out = fusedmha.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 700, causal=True)
+    for b in (0, 2):
+        qs, ks = q[cu_q[b]:cu_q[b + 1]], slice(int(cu_k[b]), int(cu_k[b + 1]))
+        ref, _, _ = reference_variants(qs.transpose(0, 1), k[ks].transpose(0, 1), v[ks].transpose(0, 1),
+                                       None, True, enable_gqa=True, bottom_right=True)
+        torch.testing.assert_close(out[cu_q[b]:cu_q[b + 1]].double(), ref.transpose(0, 1), rtol=2e-5, atol=2e-6)
