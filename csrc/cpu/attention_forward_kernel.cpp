@@ -18,7 +18,7 @@
 
 #include "cpu/attention_tiles.h"
 
-#include <numeric>
+#include <utility>
 
 namespace fusedmha::cpu {
 namespace CPU_CAPABILITY {
@@ -675,6 +675,15 @@ int64_t decode_block(const AttentionParams& p) {
   return std::clamp<int64_t>(keys, 8, kBlockKV);
 }
 
+// The greatest common divisor of a, b >= 0, as std::gcd's. (Not std::gcd
+// itself: a build that does not inline it emits it as a weak symbol in each
+// ISA's objects, which the linker may share with baseline callers; see
+// cmake/CheckNoSharedSymbols.cmake.)
+int64_t common_divisor(int64_t a, int64_t b) {
+  while (b != 0) a = std::exchange(b, a % b);
+  return a;
+}
+
 // Of the last outer dim's indices (decoding's heads), how many in a row
 // read the same rows of m (p.k or p.v): the query heads of a K/V head where
 // they are not read as rows of one item, all of them where m has a single
@@ -688,7 +697,8 @@ int64_t heads_sharing(const AttentionParams& p, const Matrix& m) {
 // Runs of heads that an item keeps together: each K head's and each V
 // head's readers are within one run.
 int64_t heads_sharing_kv(const AttentionParams& p) {
-  return std::lcm(heads_sharing(p, p.k), heads_sharing(p, p.v));
+  const int64_t k = heads_sharing(p, p.k), v = heads_sharing(p, p.v);
+  return k == 0 || v == 0 ? 0 : k / common_divisor(k, v) * v;  // (0: an empty dim)
 }
 
 template <typename acc_t>
@@ -750,9 +760,9 @@ WorkSplit configure(const AttentionParams& p, int64_t threads) {
       // with key lengths, the same length: where the last outer dim is not
       // the heads (one query head), it may be sequences with keys of their
       // own.)
-      const int64_t same_kv = std::gcd(heads_sharing(p, p.k), heads_sharing(p, p.v));
-      int64_t share = std::gcd(same_kv, split.heads);
-      if (p.key_lengths) share = std::gcd(share, p.key_lengths_group);
+      const int64_t same_kv = common_divisor(heads_sharing(p, p.k), heads_sharing(p, p.v));
+      int64_t share = common_divisor(same_kv, split.heads);
+      if (p.key_lengths) share = common_divisor(share, p.key_lengths_group);
       int64_t merged = std::min(share, kFewRows / p.len_q);
       while (merged > 1 && share % merged != 0) --merged;
       split.merged = std::max<int64_t>(merged, 1);
