@@ -36,6 +36,12 @@ DropoutParams draw_dropout(double dropout_p) {
   return d;
 }
 
+// The most query heads of a K/V head that a decoding item takes as rows
+// (the selected kernels' decoding tiles).
+int64_t decode_rows(const at::Tensor& query) {
+  return selected_kernels().forward_decode_rows(query.scalar_type() == at::kDouble);
+}
+
 // Runs the forward pass p on the intra-op threads; with `draw`, with a
 // fresh dropout stream, which it records in rng_state (else p has it).
 void run_forward(AttentionParams p, double dropout_p, const at::Tensor& rng_state,
@@ -86,7 +92,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cpu(
   auto [out, lse, rng_state] = ops::allocate_attention_outputs(query, key, value, enable_gqa);
   ops::AttentionCall call(ops::kForwardOp, query, key, value, attn_mask, is_causal, scale,
                           enable_gqa, variants, dropout_p, ops::last_dim_contiguous,
-                          /*pack_query_heads=*/true, kDecodeRows);
+                          /*pack_query_heads=*/true, decode_rows(query));
   AttentionParams p = call.forward(out, lse);
   if (dropout_state.has_value()) {
     rng_state = ops::returned_rng_state(rng_state, dropout_state);
@@ -115,7 +121,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_forward_cpu(
   const int64_t covered = cu_q.const_data_ptr<int32_t>()[cu_q.size(0) - 1];
   auto [out, lse, rng_state] = ops::allocate_varlen_outputs(query, value, covered);
   ops::AttentionCall call(ops::kVarlenForwardOp, query, key, value, batch, is_causal, scale,
-                          variants, dropout_p, ops::last_dim_contiguous, kDecodeRows);
+                          variants, dropout_p, ops::last_dim_contiguous, decode_rows(query));
   run_forward(call.forward(out, lse), dropout_p, rng_state);
   return {out, lse, rng_state};
 }

@@ -35,8 +35,34 @@ constexpr int64_t kLongBlockQ = 512;
 constexpr int64_t kTransposedKeysRows = 256;
 constexpr int64_t kSharedMaskBlockQ = 128;
 constexpr int64_t kBlockKV = 64;
-// Query blocks of at most this many rows (decoding) take few_row_scores.
-constexpr int64_t kFewRows = kDecodeRows;
+// Query blocks of at most kFewRows rows take few_row_scores, and so do
+// blocks of up to decode_rows() whose rows fill more than half a vector of
+// lanes (lane_scores: 9-16 float rows on AVX-512).
+constexpr int64_t kFewRows = 8;
+// Decoding: the most query rows one item takes (its score tiles), and so
+// the most query heads of a K/V head the forward packs as rows of one item.
+// Rows beyond it take the GEMM path, whose items (blocks of rows) cannot
+// split one K/V head's keys among threads: multi-query attention's 32
+// query heads over one K/V head, all packed, ran on one thread (Zen 4, 2
+// threads, S=8192, E=128: 1.75x faster packed by 8). Tiles of 16 rows, not
+// 8, where a panel holds them: every 16 rows of a K/V head share one pass
+// of the softmax and P·V, and on AVX-512 the keys stay untransposed (Zen 4,
+// E=128, H=32, caches flushed, alternating in one process: 4 queries per
+// head over H_kv=8, S=4096, 1.19-1.23x; 16 query heads per K/V head,
+// S=8192, 1.20-1.22x; 32 per K/V head 1.15x; 3 queries per head 1.18-1.25x;
+// 16 queries per head, which took the GEMM path, 1.8x; on AVX2 1.04-1.23x;
+// one query per head over H_kv=8 within 1%). Float rows only (also half
+// precision's), on AVX2 or AVX-512: 16 rows of doubles on AVX-512 were 0.86x
+// as fast as 8, and 16 float rows at the DEFAULT level 0.54-0.64x.
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+constexpr int64_t kMostDecodeRows = 16;
+#else
+constexpr int64_t kMostDecodeRows = kFewRows;
+#endif
+template <typename acc_t>
+constexpr int64_t decode_rows() {
+  return sizeof(acc_t) == sizeof(float) ? std::min(kMostDecodeRows, panel_width<acc_t>()) : kFewRows;
+}
 // Decoding takes at least kMinChunkBlocks key blocks, and splits the keys
 // into chunks of at least kMinChunkKeys. (Chunks of 1024 left one of two
 // threads idle below S = 2048: one query over a 1024-key GQA cache, E=128,
@@ -75,7 +101,7 @@ struct ForwardWorkspace {
   // Per head of the item (head_floats each): its scaled queries (Qᵀ in
   // panels of nr queries), then the running max m, sum l and rescale factor
   // alpha (bq each), then the unnormalised output o (rows × dv). Decoding
-  // keeps one panel (at most kFewRows queries).
+  // keeps one panel (at most decode_rows() queries).
   acc_t* heads_state;
   int64_t dv;    // Ev padded to the panel width
   int64_t state_rows;  // query rows a head's state holds
@@ -125,7 +151,9 @@ class ForwardKernel {
     const int64_t rows = std::min(split_.block_q, p_.len_q - q0);
     const int64_t bq = round_up(rows, nr);  // queries in vector lanes, padded
 
-    const bool few_rows = rows <= kFewRows && p_.softcap == 0;
+    const bool few_rows =
+        p_.softcap == 0 &&
+        (rows <= kFewRows || (rows <= decode_rows<acc_t>() && Tiles::scores_in_lanes(rows)));
     const bool keys_transposed = !few_rows && bq >= kTransposedKeysRows;
     const acc_t scale = static_cast<acc_t>(p_.scale);
     // (few_row_scores takes its queries in few_row_lanes.)
@@ -281,8 +309,8 @@ class ForwardKernel {
       }
       acc_t* part = partial(g, chunk, h);
       std::copy(st.m, st.m + rows, part);
-      std::copy(st.l, st.l + rows, part + kFewRows);
-      std::copy(st.o, st.o + rows * ws_.dv, part + 2 * kFewRows);
+      std::copy(st.l, st.l + rows, part + kMostDecodeRows);
+      std::copy(st.o, st.o + rows * ws_.dv, part + 2 * kMostDecodeRows);
     }
   }
 
@@ -312,13 +340,13 @@ class ForwardKernel {
           const acc_t* part = partial(g, c, h);
           if (part[i] == neg_inf<acc_t>()) continue;
           const acc_t weight = std::exp(part[i] - top);
-          l += part[kFewRows + i] * weight;
-          const acc_t* o = part + 2 * kFewRows + i * dv;
+          l += part[kMostDecodeRows + i] * weight;
+          const acc_t* o = part + 2 * kMostDecodeRows + i * dv;
           for (int64_t e = 0; e < dv; ++e) out[e] += o[e] * weight;
         }
         // (A chunk's NaN sum, from a NaN score, makes the row NaN.)
         for (int64_t c = 0; c < split_.kv_splits; ++c) {
-          if (std::isnan(partial(g, c, h)[kFewRows + i])) l = std::numeric_limits<acc_t>::quiet_NaN();
+          if (std::isnan(partial(g, c, h)[kMostDecodeRows + i])) l = std::numeric_limits<acc_t>::quiet_NaN();
         }
         st.m[i] = top;
         st.l[i] = l;
@@ -456,10 +484,10 @@ class ForwardKernel {
   int64_t chunk_length(int64_t len_kv) const {
     return round_up(div_up(std::max<int64_t>(len_kv, 1), split_.kv_splits), split_.block_kv);
   }
-  // Chunk c's partial state of panel h of group g: m, l (kFewRows each), o
-  // (kFewRows × dv).
+  // Chunk c's partial state of panel h of group g: m, l (kMostDecodeRows
+  // each), o (kMostDecodeRows × dv).
   acc_t* partial(int64_t g, int64_t c, int64_t h) const {
-    const int64_t record = 2 * kFewRows + kFewRows * ws_.dv;
+    const int64_t record = 2 * kMostDecodeRows + kMostDecodeRows * ws_.dv;
     return static_cast<acc_t*>(split_.partials) +
            ((g * split_.kv_splits + c) * split_.heads + h) * record;
   }
@@ -717,7 +745,7 @@ WorkSplit configure(const AttentionParams& p, int64_t threads) {
   split.items = p.num_outer / split.heads * div_up(p.len_q, split.block_q);
   split.threads = std::max<int64_t>(threads, 1);
   // Decoding: few query rows (one block) against long keys.
-  if (p.len_q > 0 && p.len_q <= kFewRows && p.softcap == 0 && !p.dropout.on() &&
+  if (p.len_q > 0 && p.len_q <= decode_rows<acc_t>() && p.softcap == 0 && !p.dropout.on() &&
       p.len_kv >= kMinChunkBlocks * split.block_kv) {
     split.decode = true;
     split.block_kv = paged_block(p, decode_block<acc_t>(p));
@@ -747,8 +775,8 @@ WorkSplit configure(const AttentionParams& p, int64_t threads) {
       }
     }
     // Several query rows per head (speculative decoding's drafts): the rows
-    // of as many heads of a K/V head as fit kFewRows share each score tile,
-    // so that the softmax and P·V work on up to 8 rows at a time, not 2-4,
+    // of as many heads of a K/V head as fit decode_rows() share each score
+    // tile, so that the softmax and P·V work on up to 16 rows at a time, not 2-4,
     // and each block's keys serve fewer, deeper tiles. (The band is applied
     // per head's rows; ALiBi and masks, which tell heads or rows apart
     // otherwise, keep one head per tile. Zen 4, E=128, H=32 over H_kv=8,
@@ -763,7 +791,7 @@ WorkSplit configure(const AttentionParams& p, int64_t threads) {
       const int64_t same_kv = common_divisor(heads_sharing(p, p.k), heads_sharing(p, p.v));
       int64_t share = common_divisor(same_kv, split.heads);
       if (p.key_lengths) share = common_divisor(share, p.key_lengths_group);
-      int64_t merged = std::min(share, kFewRows / p.len_q);
+      int64_t merged = std::min(share, decode_rows<acc_t>() / p.len_q);
       while (merged > 1 && share % merged != 0) --merged;
       split.merged = std::max<int64_t>(merged, 1);
     }
@@ -778,7 +806,7 @@ WorkSplit configure(const AttentionParams& p, int64_t threads) {
   split.workspace_bytes = counter.bytes();
   if (split.kv_splits > 1) {
     split.partial_bytes = sizeof(acc_t) * split.items * split.heads *
-                          (2 * kFewRows + kFewRows * sizing.dv);
+                          (2 * kMostDecodeRows + kMostDecodeRows * sizing.dv);
   }
   return split;
 }
@@ -792,6 +820,10 @@ WorkSplit forward_configure(const AttentionParams& p, int64_t threads) {
 void forward_item(const AttentionParams& p, const WorkSplit& split, int64_t item,
                   void* workspace) {
   run_item_for_dtype<ForwardKernel>(p.dtype, p, split, item, workspace);
+}
+
+int64_t forward_decode_rows(bool float64) {
+  return float64 ? decode_rows<double>() : decode_rows<float>();
 }
 
 void forward_combine(const AttentionParams& p, const WorkSplit& split, int64_t group,

@@ -91,6 +91,7 @@ IsaKernels selected_kernels() {
 #define FUSEDMHA_KERNELS(LEVEL)                                                    \
   IsaKernels {                                                                     \
     LEVEL::forward_configure, LEVEL::forward_item, LEVEL::forward_combine,        \
+        LEVEL::forward_decode_rows,                                                \
         LEVEL::backward_configure,                                                 \
         LEVEL::backward_item, LEVEL::weights_configure, LEVEL::weights_item,     \
         LEVEL::fma_chains                                                          \

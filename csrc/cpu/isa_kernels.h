@@ -14,14 +14,6 @@
 
 namespace fusedmha::cpu {
 
-// The most query rows one decoding item takes (the forward's few-row path).
-// The forward packs at most this many query heads of a K/V head as rows of
-// one item. More rows would take the GEMM path, whose items (blocks of
-// rows) cannot split one K/V head's keys among threads: multi-query
-// attention's 32 query heads over one K/V head, all packed, ran on one
-// thread (Zen 4, 2 threads, S=8192, E=128: 1.75x faster packed by 8).
-constexpr int64_t kDecodeRows = 8;
-
 // How a kernel splits a call into work items, as its configure function
 // chose for the ISA level and the thread count: block sizes, the number of
 // items, and the scratch memory one thread needs.
@@ -58,6 +50,8 @@ struct WorkSplit {
   /* Decoding with split keys: merges group g's partial results into out and lse. */       \
   void forward_combine(const AttentionParams& p, const WorkSplit& s, int64_t group,        \
                        void* workspace);                                                   \
+  /* The most query rows one decoding item takes (float64: of a float64 call). */          \
+  int64_t forward_decode_rows(bool float64);                                               \
   /* One item = one (outer index, set of key blocks); also sets bp.grad_q_splits. */       \
   WorkSplit backward_configure(BackwardParams& bp, int64_t threads);                       \
   void backward_item(const BackwardParams& bp, const WorkSplit& s, int64_t item,           \
@@ -81,6 +75,7 @@ struct IsaKernels {
   WorkSplit (*forward_configure)(const AttentionParams&, int64_t);
   void (*forward_item)(const AttentionParams&, const WorkSplit&, int64_t, void*);
   void (*forward_combine)(const AttentionParams&, const WorkSplit&, int64_t, void*);
+  int64_t (*forward_decode_rows)(bool);
   WorkSplit (*backward_configure)(BackwardParams&, int64_t);
   void (*backward_item)(const BackwardParams&, const WorkSplit&, int64_t, void*);
   WorkSplit (*weights_configure)(const WeightsParams&, int64_t);

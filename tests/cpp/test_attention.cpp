@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <array>
 #include <string>
 
 namespace {
@@ -133,6 +134,24 @@ TEST(Attention, GroupedQueryAttention) {
                       /*enable_gqa=*/true);
   expect_matches_aten(torch::randn({2, 8, 19, 16}), torch::randn({2, 2, 19, 16}),
                       torch::randn({2, 2, 19, 16}), std::nullopt, true, 0.5, true);
+}
+
+// Decoding's score tiles of up to 16 query rows (float): 16 query heads of a K/V head packed as
+// rows, 4 heads × 4 queries merged, one head's 16 queries; the keys split across threads with a
+// key padding mask. (The sanitized build runs these too: tiles, states and partial results at
+// their largest.)
+TEST(Attention, DecodingTilesOfUpToSixteenRows) {
+  torch::manual_seed(0);
+  const int64_t S = 700, E = 24;
+  for (const auto& [H, H_kv, L] : std::vector<std::array<int64_t, 3>>{{32, 2, 1}, {8, 2, 4}, {4, 2, 16}}) {
+    SCOPED_TRACE("H=" + std::to_string(H) + " H_kv=" + std::to_string(H_kv) + " L=" + std::to_string(L));
+    const auto q = torch::randn({2, H, L, E});
+    const auto k = torch::randn({2, S, H_kv, E}).transpose(1, 2);  // (a cache's layout: split keys)
+    const auto v = torch::randn({2, S, H_kv, E}).transpose(1, 2);
+    const auto pad = torch::arange(S).lt(torch::tensor({S, S / 3}).view({2, 1, 1, 1}));
+    expect_matches_aten(q, k, v, std::nullopt, false, std::nullopt, /*enable_gqa=*/true);
+    expect_matches_aten(q, k, v, pad, false, std::nullopt, true);
+  }
 }
 
 TEST(Attention, TransposedInputs) {

@@ -257,7 +257,8 @@ def test_few_queries_per_head_share_each_key_block(dtype, name, L, S):
 
 
 # A few queries per head with the rows of several query heads of a K/V head merged into one
-# score tile (G·L <= 8: 4 heads × 2 rows, 2 × 3, 3 × 2, 2 × 4 on AVX2): each row keeps its own
+# score tile (in float on AVX2 and AVX-512 up to 16 rows: 4 heads × 2 rows, 4 × 3, 6 × 2, 4 × 4;
+# in float64 and at the default level up to 8: 4 × 2, 2 × 3, 3 × 2, 2 × 4): each row keeps its own
 # position for the band, each head its own sink, and with split keys the merge writes every
 # head's rows back. Forced to each runnable ISA level: the tiles' vector paths differ by width.
 MERGED = {
@@ -305,6 +306,40 @@ def test_few_queries_of_several_heads_share_a_tile(name, heads, kv_layout, threa
                                       **{n: (t.float() if torch.is_tensor(t) else t) for n, t in kw.items()})
     torch.testing.assert_close(out32.double(), ref, rtol=2e-5, atol=2e-6)
     torch.testing.assert_close(lse32.double(), ref_lse, rtol=2e-5, atol=2e-6)
+
+
+# Tiles of 9 to 16 float query rows: one head's L queries (decoding over 700 keys; over 37 the
+# few-row path of short keys, where the rows fill a vector's lanes), 16 query heads of a K/V
+# head packed as rows, 8 heads × 2 queries merged. Forced to each runnable ISA level: on AVX-512
+# the rows sit in one vector of lanes, on AVX2 the keys are transposed; float64, and the
+# default level, keep tiles of 8 rows (the same shapes, other splits).
+@pytest.mark.parametrize("level", ["default", "avx2", "avx512"])
+@pytest.mark.parametrize("S", [37, 700])
+@pytest.mark.parametrize("heads", [(4, 2, 9), (4, 2, 12), (4, 2, 16), (32, 2, 1), (8, 1, 2)],
+                         ids=["l9", "l12", "l16", "g16l1", "g8l2"])
+@pytest.mark.parametrize("name", ["plain", "causal_bottom_right", "window", "sinks", "padding_mask"])
+def test_up_to_sixteen_query_rows_share_a_tile(name, heads, S, level, monkeypatch):
+    from test_isa_levels import NEEDS, cpu_flags
+    if level not in fusedmha.build_info()["cpu_isas"] or not NEEDS[level] <= cpu_flags():
+        pytest.skip(f"{level} is not runnable here")
+    monkeypatch.setenv("FUSEDMHA_CPU_ISA", level)
+    (H, Hkv, L), B, E = heads, 2, 24
+    kw = dict(MERGED[name])
+    q = torch.randn(B, H, L, E, dtype=torch.float64)
+    k, v = (torch.randn(B, Hkv, S, E, dtype=torch.float64) for _ in range(2))
+    mask = None
+    if kw.pop("mask", None):  # (a key-length mask: the second sequence sees a third of the keys)
+        mask = torch.arange(S)[None, None, None, :] < torch.tensor([S, S // 3])[:, None, None, None]
+    if kw.pop("sinks", False):
+        kw["sinks"] = torch.randn(H, dtype=torch.float64)
+    is_causal = kw.pop("is_causal", False)
+    for dtype, tol in ((torch.float64, {}), (torch.float32, dict(rtol=2e-5, atol=2e-6))):
+        args = [t.to(dtype) for t in (q, k, v)]
+        variants = {n: (t.to(dtype) if torch.is_tensor(t) else t) for n, t in kw.items()}
+        out, lse = forward_at_threads(2, *args, mask, is_causal, **variants)
+        ref, ref_lse, _ = reference_variants(q, k, v, mask, is_causal, enable_gqa=True, **kw)
+        torch.testing.assert_close(out.double(), ref, **tol)
+        torch.testing.assert_close(lse.double(), ref_lse, **tol)
 
 
 @pytest.mark.parametrize("paged", [False, True])
