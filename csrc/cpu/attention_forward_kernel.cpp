@@ -61,8 +61,13 @@ constexpr int64_t kMostDecodeRows = kFewRows;
 #endif
 template <typename acc_t>
 constexpr int64_t decode_rows() {
-  return sizeof(acc_t) == sizeof(float) ? std::min(kMostDecodeRows, panel_width<acc_t>()) : kFewRows;
+  return std::min(sizeof(acc_t) == sizeof(float) ? kMostDecodeRows : kFewRows,
+                  panel_width<acc_t>());  // (decoding's state: a panel)
 }
+// Decoding with split keys: the rows of each partial-result record (one per
+// item and panel of split.merged heads: the rows' m, then l, then their
+// unnormalised output, rows × dv), those of the call's longest query.
+int64_t partial_rows(const WorkSplit& split, int64_t len_q) { return split.merged * len_q; }
 // Decoding takes at least kMinChunkBlocks key blocks, and splits the keys
 // into chunks of at least kMinChunkKeys. (Chunks of 1024 left one of two
 // threads idle below S = 2048: one query over a 1024-key GQA cache, E=128,
@@ -151,8 +156,9 @@ class ForwardKernel {
     const int64_t rows = std::min(split_.block_q, p_.len_q - q0);
     const int64_t bq = round_up(rows, nr);  // queries in vector lanes, padded
 
+    // (Rows in one panel: st holds one.)
     const bool few_rows =
-        p_.softcap == 0 &&
+        p_.softcap == 0 && rows <= nr &&
         (rows <= kFewRows || (rows <= decode_rows<acc_t>() && Tiles::scores_in_lanes(rows)));
     const bool keys_transposed = !few_rows && bq >= kTransposedKeysRows;
     const acc_t scale = static_cast<acc_t>(p_.scale);
@@ -309,8 +315,9 @@ class ForwardKernel {
       }
       acc_t* part = partial(g, chunk, h);
       std::copy(st.m, st.m + rows, part);
-      std::copy(st.l, st.l + rows, part + kMostDecodeRows);
-      std::copy(st.o, st.o + rows * ws_.dv, part + 2 * kMostDecodeRows);
+      const int64_t record_rows = partial_rows(split_, call_.len_q);
+      std::copy(st.l, st.l + rows, part + record_rows);
+      std::copy(st.o, st.o + rows * ws_.dv, part + 2 * record_rows);
     }
   }
 
@@ -323,6 +330,7 @@ class ForwardKernel {
     const int64_t o0 = g * split_.heads;
     p_ = sequence_of(p_, o0);
     const int64_t merged = split_.merged, rows = merged * p_.len_q, dv = ws_.dv;
+    const int64_t record_rows = partial_rows(split_, call_.len_q);
     const RowState<acc_t> st = head_state(0, round_up(std::max<int64_t>(rows, 1), nr));
     for (int64_t h = 0; h < split_.heads / merged; ++h) {
       for (int64_t i = 0; i < rows; ++i) {
@@ -340,13 +348,13 @@ class ForwardKernel {
           const acc_t* part = partial(g, c, h);
           if (part[i] == neg_inf<acc_t>()) continue;
           const acc_t weight = std::exp(part[i] - top);
-          l += part[kMostDecodeRows + i] * weight;
-          const acc_t* o = part + 2 * kMostDecodeRows + i * dv;
+          l += part[record_rows + i] * weight;
+          const acc_t* o = part + 2 * record_rows + i * dv;
           for (int64_t e = 0; e < dv; ++e) out[e] += o[e] * weight;
         }
         // (A chunk's NaN sum, from a NaN score, makes the row NaN.)
         for (int64_t c = 0; c < split_.kv_splits; ++c) {
-          if (std::isnan(partial(g, c, h)[kMostDecodeRows + i])) l = std::numeric_limits<acc_t>::quiet_NaN();
+          if (std::isnan(partial(g, c, h)[record_rows + i])) l = std::numeric_limits<acc_t>::quiet_NaN();
         }
         st.m[i] = top;
         st.l[i] = l;
@@ -484,12 +492,12 @@ class ForwardKernel {
   int64_t chunk_length(int64_t len_kv) const {
     return round_up(div_up(std::max<int64_t>(len_kv, 1), split_.kv_splits), split_.block_kv);
   }
-  // Chunk c's partial state of panel h of group g: m, l (kMostDecodeRows
-  // each), o (kMostDecodeRows × dv).
+  // Chunk c's partial state of panel h of group g (partial_rows).
   acc_t* partial(int64_t g, int64_t c, int64_t h) const {
-    const int64_t record = 2 * kMostDecodeRows + kMostDecodeRows * ws_.dv;
+    const int64_t record = partial_rows(split_, call_.len_q) * (2 + ws_.dv);
+    const int64_t panels = split_.heads / split_.merged;
     return static_cast<acc_t*>(split_.partials) +
-           ((g * split_.kv_splits + c) * split_.heads + h) * record;
+           ((g * split_.kv_splits + c) * panels + h) * record;
   }
 
   // Decoding: panel h of the item, the rows of heads o..o+merged (per_head
@@ -805,8 +813,8 @@ WorkSplit configure(const AttentionParams& p, int64_t threads) {
   ForwardWorkspace<acc_t> sizing(p, split, counter);
   split.workspace_bytes = counter.bytes();
   if (split.kv_splits > 1) {
-    split.partial_bytes = sizeof(acc_t) * split.items * split.heads *
-                          (2 * kMostDecodeRows + kMostDecodeRows * sizing.dv);
+    split.partial_bytes = sizeof(acc_t) * split.items * (split.heads / split.merged) *
+                          partial_rows(split, p.len_q) * (2 + sizing.dv);
   }
   return split;
 }

@@ -308,11 +308,12 @@ def test_few_queries_of_several_heads_share_a_tile(name, heads, kv_layout, threa
     torch.testing.assert_close(lse32.double(), ref_lse, rtol=2e-5, atol=2e-6)
 
 
-# Tiles of 9 to 16 float query rows: one head's L queries (decoding over 700 keys; over 37 the
-# few-row path of short keys, where the rows fill a vector's lanes), 16 query heads of a K/V
-# head packed as rows, 8 heads × 2 queries merged. Forced to each runnable ISA level: on AVX-512
-# the rows sit in one vector of lanes, on AVX2 the keys are transposed; float64, and the
-# default level, keep tiles of 8 rows (the same shapes, other splits).
+# Tiles of 9 to 16 float query rows: one head's L queries, 16 query heads of a K/V head packed
+# as rows, 8 heads × 2 queries merged. Decoding over 700 keys of a cache's (B, S, H_kv, E)
+# layout, split across the threads and merged; over 37 keys, on AVX-512, the few-row path of
+# short keys (elsewhere the GEMM path). Forced to each runnable ISA level: on AVX-512 the rows
+# sit in one vector of lanes, on AVX2 the keys are transposed; float64, and the default level,
+# keep tiles of 8 rows (the same shapes, other splits).
 @pytest.mark.parametrize("level", ["default", "avx2", "avx512"])
 @pytest.mark.parametrize("S", [37, 700])
 @pytest.mark.parametrize("heads", [(4, 2, 9), (4, 2, 12), (4, 2, 16), (32, 2, 1), (8, 1, 2)],
@@ -326,7 +327,7 @@ def test_up_to_sixteen_query_rows_share_a_tile(name, heads, S, level, monkeypatc
     (H, Hkv, L), B, E = heads, 2, 24
     kw = dict(MERGED[name])
     q = torch.randn(B, H, L, E, dtype=torch.float64)
-    k, v = (torch.randn(B, Hkv, S, E, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(B, S, Hkv, E, dtype=torch.float64).transpose(1, 2) for _ in range(2))
     mask = None
     if kw.pop("mask", None):  # (a key-length mask: the second sequence sees a third of the keys)
         mask = torch.arange(S)[None, None, None, :] < torch.tensor([S, S // 3])[:, None, None, None]
