@@ -39,12 +39,12 @@ constexpr int64_t kBlockKV = 64;
 // blocks of up to decode_rows() whose rows fill more than half a vector of
 // lanes (lane_scores: 9-16 float rows on AVX-512).
 constexpr int64_t kFewRows = 8;
-// Decoding: the most query rows one item takes (its score tiles), and so
-// the most query heads of a K/V head the forward packs as rows of one item.
-// Rows beyond it take the GEMM path, whose items (blocks of rows) cannot
-// split one K/V head's keys among threads: multi-query attention's 32
-// query heads over one K/V head, all packed, ran on one thread (Zen 4, 2
-// threads, S=8192, E=128: 1.75x faster packed by 8). Tiles of 16 rows, not
+// Decoding: the most query rows of one score tile (a panel), and so the
+// most query heads of a K/V head the forward packs as rows of one item.
+// (Packed beyond it, multi-query attention's 32 query heads over one K/V
+// head took the GEMM path, whose items cannot split one K/V head's keys
+// among threads, and ran on one thread: Zen 4, 2 threads, S=8192, E=128,
+// 1.75x faster packed by 8.) Tiles of 16 rows, not
 // 8, where a panel holds them: every 16 rows of a K/V head share one pass
 // of the softmax and P·V, and on AVX-512 the keys stay untransposed (Zen 4,
 // E=128, H=32, caches flushed, alternating in one process: 4 queries per
@@ -64,10 +64,30 @@ constexpr int64_t decode_rows() {
   return std::min(sizeof(acc_t) == sizeof(float) ? kMostDecodeRows : kFewRows,
                   panel_width<acc_t>());  // (decoding's state: a panel)
 }
+// Decoding: a head's query rows go in split.row_splits panels of at most
+// this many (all of them in one where they fit a tile).
+int64_t panel_step(const WorkSplit& split, int64_t len_q) {
+  return div_up(len_q, split.row_splits);
+}
 // Decoding with split keys: the rows of each partial-result record (one per
-// item and panel of split.merged heads: the rows' m, then l, then their
-// unnormalised output, rows × dv), those of the call's longest query.
-int64_t partial_rows(const WorkSplit& split, int64_t len_q) { return split.merged * len_q; }
+// item and panel: the rows' m, then l, then their unnormalised output,
+// rows × dv), those of a panel of the call's longest query.
+int64_t partial_rows(const WorkSplit& split, int64_t len_q) {
+  return split.merged * panel_step(split, len_q);
+}
+// Decoding also takes up to kMostDecodeQueries query rows per head, in
+// panels of at most decode_rows() (WorkSplit::row_splits), over at least
+// kMinRowSplitKeys keys: the GEMM path reads a K/V head's keys once per
+// query head (its items are one head's block of rows), pads the rows to a
+// panel (17 rows cost as much as 32) and copies each value block into
+// panels. (Zen 4 AVX-512, E=128, H=32 over H_kv=8, K/V in cache,
+// alternating in one process: S=4096, 17 queries per head 1.29x, 24 1.17x,
+// 32 1.12x, 40 1.21x, 48 1.22x, 56 1.00x, 64 0.97x; S=32768, 32 queries
+// 1.38x, 64 1.14x; S=1024, 20 queries 1.19x, 32 1.00x, 48 1.13x; H=8 over
+// H_kv=8, S=4096, 32 queries 1.36x, 64 1.14x; but S=300-512, 32 or 64
+// queries, 0.93-0.98x.)
+constexpr int64_t kMostDecodeQueries = 64;
+constexpr int64_t kMinRowSplitKeys = 1024;
 // Decoding takes at least kMinChunkBlocks key blocks, and splits the keys
 // into chunks of at least kMinChunkKeys. (Chunks of 1024 left one of two
 // threads idle below S = 2048: one query over a 1024-key GQA cache, E=128,
@@ -123,7 +143,7 @@ struct ForwardWorkspace {
     mt = arena.take(w * round_up(bkv, w));
     terms = split.heads > 1 && !split.decode ? arena.take(bkv * bq) : nullptr;
     dm = p.dropout.on() ? arena.take(bkv * nr) : nullptr;
-    heads_state = arena.take(split.heads * head_floats(p, bq));
+    heads_state = arena.take(split.heads * split.row_splits * head_floats(p, bq));
   }
 
   // The size of one head's state (a multiple of a cache line).
@@ -240,18 +260,16 @@ class ForwardKernel {
   // the keys. Each key block is read for every head of the item before the
   // next block: in a KV cache's (B, S, H_kv, E) layout a key's heads are
   // adjacent, so whole rows stream in, not one head's slice of every row.
-  // The item's heads go in panels of split_.merged heads whose rows share
-  // one score tile. With split keys the item leaves its partial state for
-  // combine().
+  // The item's rows go in panels (panel_of), each one score tile: the rows
+  // of split_.merged heads, or some of one head's. With split keys the item
+  // leaves its partial state for combine().
   void run_decode(int64_t item) {
     const int64_t g = item / split_.kv_splits, chunk = item % split_.kv_splits;
     const int64_t heads = split_.heads, o0 = g * heads;
     p_ = sequence_of(p_, o0);  // (a group's heads share their sequence)
-    const int64_t per_head = p_.len_q, merged = split_.merged;
-    const int64_t panels = heads / merged, rows = merged * per_head;
-    const int64_t bq = round_up(std::max<int64_t>(rows, 1), nr);
+    const int64_t panels = panel_count(), bq = nr;  // (a panel's rows: decode_rows <= nr)
     // The chunk's keys within what any head of the group can see.
-    auto [kv_begin, kv_end] = key_range(o0, 0, per_head);
+    auto [kv_begin, kv_end] = key_range(o0, 0, p_.len_q);
     const int64_t chunk_len = chunk_length(p_.len_kv);
     kv_begin = std::max(kv_begin, chunk * chunk_len);
     kv_end = std::min(kv_end, (chunk + 1) * chunk_len);
@@ -260,29 +278,34 @@ class ForwardKernel {
     // loop below queues each next one, and nothing queued this one. (One
     // query over a 1024-key GQA cache, caches flushed before each call:
     // 6-8% faster; at 4096 keys 1%.)
-    if (rows > 0 && kv_begin < kv_end) {
+    if (p_.len_q > 0 && kv_begin < kv_end) {
       const int64_t cols = std::min(split_.block_kv, kv_end - kv_begin);
       tiles_.queue_key_rows(prefetch_, Tiles::KeySide::K, o0, kv_begin, cols, p_.dim_qk);
       tiles_.queue_key_rows(prefetch_, Tiles::KeySide::V, o0, kv_begin, cols, p_.dim_v);
       prefetch_.issue(std::numeric_limits<int64_t>::max());
     }
-    for (int64_t h = 0; h < panels; ++h) start_panel(o0 + h * merged, per_head, bq, chunk, h);
-    // Sᵀ's rows: up to w query rows (such as a GQA group's 4) in one vector
-    // of lanes, not a panel of two (half the lines to zero and to keep in L1).
-    const int64_t ls = rows > w ? bq : w;
-    // The keys whose transpose ws_.kt holds: heads that read the same rows
+    for (int64_t h = 0; h < panels; ++h) start_panel(panel_of(o0, h), bq, chunk, h);
+    // The keys whose transpose ws_.kt holds: panels that read the same rows
     // (query heads of one K/V head that are not packed as rows of one item,
-    // such as several queries per head) transpose each block once.
+    // such as several queries per head, or one head's panels) transpose each
+    // block once.
     const void* kt_keys = nullptr;
     int64_t kt_cols = 0;
-    for (int64_t k0 = kv_begin; rows > 0 && k0 < kv_end; k0 += split_.block_kv) {
+    for (int64_t k0 = kv_begin; p_.len_q > 0 && k0 < kv_end; k0 += split_.block_kv) {
       const int64_t cols = std::min(split_.block_kv, kv_end - k0);
       for (int64_t h = 0; h < panels; ++h) {
-        const int64_t o = o0 + h * merged;  // (the panel's heads read o's K/V rows)
+        const Panel pn = panel_of(o0, h);  // (its heads read pn.o's K/V rows)
+        const int64_t o = pn.o, rows = pn.rows();
+        if (rows == 0) continue;  // (a shorter sequence's last panels)
+        // Sᵀ's rows: up to w query rows (such as a GQA group's 4) in one
+        // vector of lanes, not a panel of two (half the lines to zero and to
+        // keep in L1).
+        const int64_t ls = rows > w ? bq : w;
         const RowState<acc_t> st = head_state(h, bq);
         int64_t ldk = 0, ldv;
         const void* keys = tiles_.key_source(Tiles::KeySide::K, o, k0);
-        const bool transposed = keys == kt_keys && cols == kt_cols && !Tiles::scores_in_lanes(rows);
+        const bool in_lanes = Tiles::scores_in_lanes(rows);
+        const bool transposed = keys == kt_keys && cols == kt_cols && !in_lanes;
         queue_next_head_block(h, panels, k0, kv_end, rows, o0, transposed);
         PrefetchQueue* pq = &prefetch_;
         const acc_t* k =
@@ -291,9 +314,9 @@ class ForwardKernel {
                                             ws_.k, &ldk);
         tiles_.few_row_scores(k, ldk, cols, head_rows(h, bq), rows, ls, ws_.st, ws_.kt, pq,
                               transposed);
-        kt_keys = keys, kt_cols = cols;
-        tiles_.transform_scores(o, 0, rows, ls, k0, cols, ws_.st, ws_.mt, nullptr, false,
-                                per_head);
+        if (!in_lanes) kt_keys = keys, kt_cols = cols;  // (lane_scores writes no kt)
+        tiles_.transform_scores(o, pn.q0, rows, ls, k0, cols, ws_.st, ws_.mt, nullptr, false,
+                                pn.per_head);
         if (rows <= w) {
           softmax_step<1>(ls, cols, st, /*terms=*/nullptr, pq);
         } else {
@@ -309,8 +332,10 @@ class ForwardKernel {
     }
     for (int64_t h = 0; h < panels; ++h) {
       const RowState<acc_t> st = head_state(h, bq);
+      const Panel pn = panel_of(o0, h);
+      const int64_t rows = pn.rows();
       if (split_.kv_splits == 1) {
-        write_panel(o0 + h * merged, per_head, st);
+        write_panel(pn, st);
         continue;
       }
       acc_t* part = partial(g, chunk, h);
@@ -329,11 +354,11 @@ class ForwardKernel {
   void combine(int64_t g) {
     const int64_t o0 = g * split_.heads;
     p_ = sequence_of(p_, o0);
-    const int64_t merged = split_.merged, rows = merged * p_.len_q, dv = ws_.dv;
-    const int64_t record_rows = partial_rows(split_, call_.len_q);
-    const RowState<acc_t> st = head_state(0, round_up(std::max<int64_t>(rows, 1), nr));
-    for (int64_t h = 0; h < split_.heads / merged; ++h) {
-      for (int64_t i = 0; i < rows; ++i) {
+    const int64_t dv = ws_.dv, record_rows = partial_rows(split_, call_.len_q);
+    const RowState<acc_t> st = head_state(0, nr);
+    for (int64_t h = 0; h < panel_count(); ++h) {
+      const Panel pn = panel_of(o0, h);
+      for (int64_t i = 0; i < pn.rows(); ++i) {
         acc_t top = neg_inf<acc_t>();
         for (int64_t c = 0; c < split_.kv_splits; ++c) {
           const acc_t m = partial(g, c, h)[i];
@@ -359,7 +384,7 @@ class ForwardKernel {
         st.m[i] = top;
         st.l[i] = l;
       }
-      write_panel(o0 + h * merged, p_.len_q, st);
+      write_panel(pn, st);
     }
   }
 
@@ -380,8 +405,8 @@ class ForwardKernel {
   void queue_next_head_block(int64_t h, int64_t panels, int64_t k0, int64_t kv_end,
                              int64_t rows, int64_t o0, bool keys_transposed) {
     const bool last_head = h + 1 == panels;
-    const int64_t o = o0 + h * split_.merged;
-    const int64_t next_o = last_head ? o0 : o + split_.merged;
+    const int64_t o = panel_of(o0, h).o;
+    const int64_t next_o = panel_of(o0, last_head ? 0 : h + 1).o;
     const int64_t next_k0 = last_head ? k0 + split_.block_kv : k0;
     const int64_t next_cols = std::min(split_.block_kv, kv_end - next_k0);
     // (Not where the next head reads this one's rows: they are here already.)
@@ -495,39 +520,56 @@ class ForwardKernel {
   // Chunk c's partial state of panel h of group g (partial_rows).
   acc_t* partial(int64_t g, int64_t c, int64_t h) const {
     const int64_t record = partial_rows(split_, call_.len_q) * (2 + ws_.dv);
-    const int64_t panels = split_.heads / split_.merged;
     return static_cast<acc_t*>(split_.partials) +
-           ((g * split_.kv_splits + c) * panels + h) * record;
+           ((g * split_.kv_splits + c) * panel_count() + h) * record;
   }
 
-  // Decoding: panel h of the item, the rows of heads o..o+merged (per_head
-  // each), packed as one head's: their scaled queries side by side, and
-  // each head's rows started with its own sink (only chunk 0 has it).
-  void start_panel(int64_t o, int64_t per_head, int64_t bq, int64_t chunk, int64_t h) {
-    const int64_t merged = split_.merged, rows = merged * per_head;
+  // Decoding: an item's panel, one score tile's rows: per_head rows (from
+  // q0) of each of heads o..o+heads-1, packed as one head's.
+  struct Panel {
+    int64_t o, q0, per_head, heads;
+    int64_t rows() const { return per_head * heads; }
+  };
+  // The item's panels: its heads in runs of split_.merged, or each head's
+  // rows in split_.row_splits runs of panel_step (the last ones of a shorter
+  // sequence may have fewer rows, or none).
+  int64_t panel_count() const { return split_.heads / split_.merged * split_.row_splits; }
+  Panel panel_of(int64_t o0, int64_t h) const {
+    if (split_.row_splits == 1) return {o0 + h * split_.merged, 0, p_.len_q, split_.merged};
+    const int64_t step = panel_step(split_, call_.len_q);
+    const int64_t q0 = h % split_.row_splits * step;
+    return {o0 + h / split_.row_splits, q0, std::clamp<int64_t>(p_.len_q - q0, 0, step), 1};
+  }
+
+  // Decoding: starts panel h of the item (state h): the scaled queries of
+  // its heads side by side, and each head's rows with its own sink (only
+  // chunk 0 has it).
+  void start_panel(const Panel& pn, int64_t bq, int64_t chunk, int64_t h) {
+    const int64_t rows = pn.rows(), per_head = pn.per_head;
     const RowState<acc_t> st = head_state(h, bq);
     if (rows > 0) {
       const int64_t lanes = Tiles::few_row_lanes(rows);
-      for (int64_t m = 0; m < merged; ++m) {
+      for (int64_t m = 0; m < pn.heads; ++m) {
         // (The last head's call zeroes the panel's lanes past its rows.)
-        const int64_t padded = m + 1 == merged ? lanes - m * per_head : per_head;
-        tiles_.pack_transposed(p_.q, o + m, 0, per_head, padded, p_.dim_qk,
+        const int64_t padded = m + 1 == pn.heads ? lanes - m * per_head : per_head;
+        tiles_.pack_transposed(p_.q, pn.o + m, pn.q0, per_head, padded, p_.dim_qk,
                                static_cast<acc_t>(p_.scale), head_rows(h, bq) + m * per_head,
                                lanes);
       }
     }
-    start_rows(o, rows, bq, /*with_sink=*/chunk == 0, st);
+    start_rows(pn.o, rows, bq, /*with_sink=*/chunk == 0, st);
     if (chunk != 0 || !has_sinks(p_)) return;
-    for (int64_t m = 1; m < merged; ++m) {
-      std::fill_n(st.m + m * per_head, per_head, static_cast<acc_t>(sink_logit(p_, o + m)));
+    for (int64_t m = 1; m < pn.heads; ++m) {
+      std::fill_n(st.m + m * per_head, per_head, static_cast<acc_t>(sink_logit(p_, pn.o + m)));
     }
   }
 
-  // Decoding: writes panel state st's rows out, per_head for each of heads o, o + 1, ...
-  void write_panel(int64_t o, int64_t per_head, const RowState<acc_t>& st) {
-    for (int64_t m = 0; m < split_.merged; ++m) {
-      const int64_t r = m * per_head;
-      write_output(o + m, 0, per_head, {st.m + r, st.l + r, st.alpha + r, st.o + r * ws_.dv});
+  // Decoding: writes panel pn's rows out of its state st.
+  void write_panel(const Panel& pn, const RowState<acc_t>& st) {
+    for (int64_t m = 0; m < pn.heads; ++m) {
+      const int64_t r = m * pn.per_head;
+      write_output(pn.o + m, pn.q0, pn.per_head,
+                   {st.m + r, st.l + r, st.alpha + r, st.o + r * ws_.dv});
     }
   }
 
@@ -753,9 +795,12 @@ WorkSplit configure(const AttentionParams& p, int64_t threads) {
   split.items = p.num_outer / split.heads * div_up(p.len_q, split.block_q);
   split.threads = std::max<int64_t>(threads, 1);
   // Decoding: few query rows (one block) against long keys.
-  if (p.len_q > 0 && p.len_q <= decode_rows<acc_t>() && p.softcap == 0 && !p.dropout.on() &&
+  const bool few_queries = p.len_q <= decode_rows<acc_t>() ||
+                           (p.len_q <= kMostDecodeQueries && p.len_kv >= kMinRowSplitKeys);
+  if (p.len_q > 0 && few_queries && p.softcap == 0 && !p.dropout.on() &&
       p.len_kv >= kMinChunkBlocks * split.block_kv) {
     split.decode = true;
+    split.row_splits = div_up(p.len_q, decode_rows<acc_t>());
     split.block_kv = paged_block(p, decode_block<acc_t>(p));
     // The heads of a sequence (packed batches), else of the last outer dim.
     split.heads = p.seq.on() ? p.seq.heads : (p.outer.dims ? p.outer.size[p.outer.dims - 1] : 1);
@@ -814,6 +859,7 @@ WorkSplit configure(const AttentionParams& p, int64_t threads) {
   split.workspace_bytes = counter.bytes();
   if (split.kv_splits > 1) {
     split.partial_bytes = sizeof(acc_t) * split.items * (split.heads / split.merged) *
+                          split.row_splits *
                           partial_rows(split, p.len_q) * (2 + sizing.dv);
   }
   return split;

@@ -36,6 +36,9 @@ struct WorkSplit {
   // consecutive heads that read the same K/V rows, L each, are the rows of
   // one score tile (a "panel"), as if they were one head's.
   int64_t merged = 1;
+  // Decoding more query rows per head than one score tile takes (chunked
+  // prefill, long drafts): each head's rows in row_splits panels.
+  int64_t row_splits = 1;
   int64_t kv_splits = 1;
   size_t partial_bytes = 0;
   void* partials = nullptr;

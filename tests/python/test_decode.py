@@ -343,6 +343,75 @@ def test_up_to_sixteen_query_rows_share_a_tile(name, heads, S, level, monkeypatc
         torch.testing.assert_close(lse.double(), ref_lse, **tol)
 
 
+# More query rows per head than a tile takes (chunked prefill, long drafts: up to 64 over 1024
+# keys or more): each head's rows in panels of up to 16 (8 in float64 and at the default level),
+# every panel of a K/V head reading each key block once; the keys of a cache's layout split
+# across threads. 17 rows: panels of 9 and 8 (on AVX-512 one in a vector of lanes, one from
+# transposed keys).
+@pytest.mark.parametrize("level", ["default", "avx2", "avx512"])
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("kv_layout", ["bhse", "bshe"])
+@pytest.mark.parametrize("L", [17, 33, 64])
+@pytest.mark.parametrize("name", list(MERGED))
+def test_many_queries_per_head_go_in_row_panels(name, L, kv_layout, threads, level, monkeypatch):
+    from test_isa_levels import NEEDS, cpu_flags
+    if level not in fusedmha.build_info()["cpu_isas"] or not NEEDS[level] <= cpu_flags():
+        pytest.skip(f"{level} is not runnable here")
+    monkeypatch.setenv("FUSEDMHA_CPU_ISA", level)
+    H, Hkv, B, E, S = 4, 2, 2, 24, 1100
+    kw = dict(MERGED[name])
+    q = torch.randn(B, H, L, E, dtype=torch.float64)
+    if kv_layout == "bhse":
+        k, v = (torch.randn(B, Hkv, S, E, dtype=torch.float64) for _ in range(2))
+    else:
+        k, v = (torch.randn(B, S, Hkv, E, dtype=torch.float64).transpose(1, 2) for _ in range(2))
+    mask = None
+    if kw.pop("mask", None):  # (a key-length mask: the second sequence sees a third of the keys)
+        mask = torch.arange(S)[None, None, None, :] < torch.tensor([S, S // 3])[:, None, None, None]
+    if kw.pop("sinks", False):
+        kw["sinks"] = torch.randn(H, dtype=torch.float64)
+    is_causal = kw.pop("is_causal", False)
+    ref, ref_lse, _ = reference_variants(q, k, v, mask, is_causal, enable_gqa=True, **kw)
+    for dtype, tol in ((torch.float64, {}), (torch.float32, dict(rtol=2e-5, atol=2e-6))):
+        variants = {n: (t.to(dtype) if torch.is_tensor(t) else t) for n, t in kw.items()}
+        out, lse = forward_at_threads(threads, q.to(dtype), k.to(dtype), v.to(dtype), mask, is_causal,
+                                      **variants)
+        torch.testing.assert_close(out.double(), ref, **tol)
+        torch.testing.assert_close(lse.double(), ref_lse, **tol)
+
+
+def test_varlen_chunks_of_different_lengths_go_in_row_panels():
+    """Packed sequences with 40, 17 and 5 queries over 1100, 1500 and 1024 keys (panels sized
+    for the longest: a shorter sequence's last panels have fewer rows, or none), causal
+    bottom-right per sequence, and their gradients through the backward."""
+    H, Hkv, E = 8, 2, 16
+    cu_q = torch.tensor([0, 40, 57, 62], dtype=torch.int32)
+    cu_k = torch.tensor([0, 1100, 2600, 3624], dtype=torch.int32)
+    q = torch.randn(62, H, E, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(3624, Hkv, E, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    out = fusedmha.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 40, 1500, causal=True)
+    for b in range(3):
+        qs, ks = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        ref, _, _ = reference_variants(q[qs].transpose(0, 1), k[ks].transpose(0, 1), v[ks].transpose(0, 1),
+                                       None, True, enable_gqa=True, bottom_right=True)
+        torch.testing.assert_close(out[qs], ref.transpose(0, 1))
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = torch.autograd.grad(_varlen_reference(q, k, v, cu_q, cu_k), (q, k, v), grad)
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r)
+
+
+def _varlen_reference(q, k, v, cu_q, cu_k):
+    outs = []
+    for b in range(len(cu_q) - 1):
+        qs, ks = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        ref, _, _ = reference_variants(q[qs].transpose(0, 1), k[ks].transpose(0, 1), v[ks].transpose(0, 1),
+                                       None, True, enable_gqa=True, bottom_right=True)
+        outs.append(ref.transpose(0, 1))
+    return torch.cat(outs)
+
+
 @pytest.mark.parametrize("paged", [False, True])
 def test_varlen_drafts_of_different_lengths_share_tiles(paged):
     """Packed sequences with 2, 1 and 3 new queries over caches of their own lengths (the
