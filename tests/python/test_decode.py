@@ -274,93 +274,22 @@ MERGED = {
 }
 
 
-@pytest.mark.parametrize("level", ["default", "avx2", "avx512"])
-@pytest.mark.parametrize("threads", [1, 3])
-@pytest.mark.parametrize("kv_layout", ["bhse", "bshe"])
-@pytest.mark.parametrize("heads", [(16, 4, 2), (16, 2, 3), (12, 2, 2), (8, 2, 4)], ids=["g4l2", "g8l3", "g6l2", "g4l4"])
-@pytest.mark.parametrize("name", list(MERGED))
-def test_few_queries_of_several_heads_share_a_tile(name, heads, kv_layout, threads, level, monkeypatch):
+def at_level(level, monkeypatch):
+    """Runs the rest of the test with the kernels of ISA level `level` (skips it where this
+    machine cannot run them)."""
     from test_isa_levels import NEEDS, cpu_flags
     if level not in fusedmha.build_info()["cpu_isas"] or not NEEDS[level] <= cpu_flags():
         pytest.skip(f"{level} is not runnable here")
     monkeypatch.setenv("FUSEDMHA_CPU_ISA", level)
-    (H, Hkv, L), B, E, S = heads, 2, 24, 700
+
+
+def expect_merged_case(name, threads, B, H, Hkv, L, E, S, kv_layout, q=None):
+    """MERGED[name] over float64 K/V in kv_layout ("bhse", or "bshe": a cache's (B, S, H_kv, E)
+    viewed as (B, H_kv, S, E)) and q (random (B, H, L, E) if None): the forward at `threads`
+    threads against the float64 reference, in float64 and in float32."""
     kw = dict(MERGED[name])
-    q = torch.randn(B, L, H, E, dtype=torch.float64).transpose(1, 2)  # (the projection's layout)
-    if kv_layout == "bhse":
-        k, v = (torch.randn(B, Hkv, S, E, dtype=torch.float64) for _ in range(2))
-    else:
-        k, v = (torch.randn(B, S, Hkv, E, dtype=torch.float64).transpose(1, 2) for _ in range(2))
-    mask = None
-    if kw.pop("mask", None):  # (a key-length mask: the second sequence sees a third of the keys)
-        mask = torch.arange(S)[None, None, None, :] < torch.tensor([S, S // 3])[:, None, None, None]
-    if kw.pop("sinks", False):
-        kw["sinks"] = torch.randn(H, dtype=torch.float64)
-    is_causal = kw.pop("is_causal", False)
-    out, lse = forward_at_threads(threads, q, k, v, mask, is_causal, **kw)
-    ref, ref_lse, _ = reference_variants(q, k, v, mask, is_causal, enable_gqa=True, **kw)
-    torch.testing.assert_close(out, ref)
-    torch.testing.assert_close(lse, ref_lse)
-    # float32 (the merged tile's rows in vector lanes, or the keys transposed, by the width)
-    out32, lse32 = forward_at_threads(threads, q.float(), k.float(), v.float(), mask, is_causal,
-                                      **{n: (t.float() if torch.is_tensor(t) else t) for n, t in kw.items()})
-    torch.testing.assert_close(out32.double(), ref, rtol=2e-5, atol=2e-6)
-    torch.testing.assert_close(lse32.double(), ref_lse, rtol=2e-5, atol=2e-6)
-
-
-# Tiles of 9 to 16 float query rows: one head's L queries, 16 query heads of a K/V head packed
-# as rows, 8 heads × 2 queries merged. Decoding over 700 keys of a cache's (B, S, H_kv, E)
-# layout, split across the threads and merged; over 37 keys, on AVX-512, the few-row path of
-# short keys (elsewhere the GEMM path). Forced to each runnable ISA level: on AVX-512 the rows
-# sit in one vector of lanes, on AVX2 the keys are transposed; float64, and the default level,
-# keep tiles of 8 rows (the same shapes, other splits).
-@pytest.mark.parametrize("level", ["default", "avx2", "avx512"])
-@pytest.mark.parametrize("S", [37, 700])
-@pytest.mark.parametrize("heads", [(4, 2, 9), (4, 2, 12), (4, 2, 16), (32, 2, 1), (8, 1, 2)],
-                         ids=["l9", "l12", "l16", "g16l1", "g8l2"])
-@pytest.mark.parametrize("name", ["plain", "causal_bottom_right", "window", "sinks", "padding_mask"])
-def test_up_to_sixteen_query_rows_share_a_tile(name, heads, S, level, monkeypatch):
-    from test_isa_levels import NEEDS, cpu_flags
-    if level not in fusedmha.build_info()["cpu_isas"] or not NEEDS[level] <= cpu_flags():
-        pytest.skip(f"{level} is not runnable here")
-    monkeypatch.setenv("FUSEDMHA_CPU_ISA", level)
-    (H, Hkv, L), B, E = heads, 2, 24
-    kw = dict(MERGED[name])
-    q = torch.randn(B, H, L, E, dtype=torch.float64)
-    k, v = (torch.randn(B, S, Hkv, E, dtype=torch.float64).transpose(1, 2) for _ in range(2))
-    mask = None
-    if kw.pop("mask", None):  # (a key-length mask: the second sequence sees a third of the keys)
-        mask = torch.arange(S)[None, None, None, :] < torch.tensor([S, S // 3])[:, None, None, None]
-    if kw.pop("sinks", False):
-        kw["sinks"] = torch.randn(H, dtype=torch.float64)
-    is_causal = kw.pop("is_causal", False)
-    for dtype, tol in ((torch.float64, {}), (torch.float32, dict(rtol=2e-5, atol=2e-6))):
-        args = [t.to(dtype) for t in (q, k, v)]
-        variants = {n: (t.to(dtype) if torch.is_tensor(t) else t) for n, t in kw.items()}
-        out, lse = forward_at_threads(2, *args, mask, is_causal, **variants)
-        ref, ref_lse, _ = reference_variants(q, k, v, mask, is_causal, enable_gqa=True, **kw)
-        torch.testing.assert_close(out.double(), ref, **tol)
-        torch.testing.assert_close(lse.double(), ref_lse, **tol)
-
-
-# More query rows per head than a tile takes (chunked prefill, long drafts: up to 64 over 1024
-# keys or more): each head's rows in panels of up to 16 (8 in float64 and at the default level),
-# every panel of a K/V head reading each key block once; the keys of a cache's layout split
-# across threads. 17 rows: panels of 9 and 8 (on AVX-512 one in a vector of lanes, one from
-# transposed keys).
-@pytest.mark.parametrize("level", ["default", "avx2", "avx512"])
-@pytest.mark.parametrize("threads", [1, 3])
-@pytest.mark.parametrize("kv_layout", ["bhse", "bshe"])
-@pytest.mark.parametrize("L", [17, 33, 64])
-@pytest.mark.parametrize("name", list(MERGED))
-def test_many_queries_per_head_go_in_row_panels(name, L, kv_layout, threads, level, monkeypatch):
-    from test_isa_levels import NEEDS, cpu_flags
-    if level not in fusedmha.build_info()["cpu_isas"] or not NEEDS[level] <= cpu_flags():
-        pytest.skip(f"{level} is not runnable here")
-    monkeypatch.setenv("FUSEDMHA_CPU_ISA", level)
-    H, Hkv, B, E, S = 4, 2, 2, 24, 1100
-    kw = dict(MERGED[name])
-    q = torch.randn(B, H, L, E, dtype=torch.float64)
+    if q is None:
+        q = torch.randn(B, H, L, E, dtype=torch.float64)
     if kv_layout == "bhse":
         k, v = (torch.randn(B, Hkv, S, E, dtype=torch.float64) for _ in range(2))
     else:
@@ -378,6 +307,50 @@ def test_many_queries_per_head_go_in_row_panels(name, L, kv_layout, threads, lev
                                       **variants)
         torch.testing.assert_close(out.double(), ref, **tol)
         torch.testing.assert_close(lse.double(), ref_lse, **tol)
+
+
+@pytest.mark.parametrize("level", ["default", "avx2", "avx512"])
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("kv_layout", ["bhse", "bshe"])
+@pytest.mark.parametrize("heads", [(16, 4, 2), (16, 2, 3), (12, 2, 2), (8, 2, 4)], ids=["g4l2", "g8l3", "g6l2", "g4l4"])
+@pytest.mark.parametrize("name", list(MERGED))
+def test_few_queries_of_several_heads_share_a_tile(name, heads, kv_layout, threads, level, monkeypatch):
+    at_level(level, monkeypatch)
+    (H, Hkv, L), B, E = heads, 2, 24
+    q = torch.randn(B, L, H, E, dtype=torch.float64).transpose(1, 2)  # (the projection's layout)
+    expect_merged_case(name, threads, B, H, Hkv, L, E, 700, kv_layout, q)
+
+
+# Tiles of 9 to 16 float query rows: one head's L queries, 16 query heads of a K/V head packed
+# as rows, 8 heads × 2 queries merged. Decoding over 700 keys of a cache's (B, S, H_kv, E)
+# layout, split across the threads and merged; over 37 keys, on AVX-512, the few-row path of
+# short keys (elsewhere the GEMM path). Forced to each runnable ISA level: on AVX-512 the rows
+# sit in one vector of lanes, on AVX2 the keys are transposed; float64, and the default level,
+# keep tiles of 8 rows (the same shapes, other splits).
+@pytest.mark.parametrize("level", ["default", "avx2", "avx512"])
+@pytest.mark.parametrize("S", [37, 700])
+@pytest.mark.parametrize("heads", [(4, 2, 9), (4, 2, 12), (4, 2, 16), (32, 2, 1), (8, 1, 2)],
+                         ids=["l9", "l12", "l16", "g16l1", "g8l2"])
+@pytest.mark.parametrize("name", ["plain", "causal_bottom_right", "window", "sinks", "padding_mask"])
+def test_up_to_sixteen_query_rows_share_a_tile(name, heads, S, level, monkeypatch):
+    at_level(level, monkeypatch)
+    H, Hkv, L = heads
+    expect_merged_case(name, 2, 2, H, Hkv, L, 24, S, "bshe")
+
+
+# More query rows per head than a tile takes (chunked prefill, long drafts: up to 64 over 1024
+# keys or more): each head's rows in panels of up to 16 (8 in float64 and at the default level),
+# every panel of a K/V head reading each key block once; the keys of a cache's layout split
+# across threads. 17 rows: panels of 9 and 8 (on AVX-512 one in a vector of lanes, one from
+# transposed keys).
+@pytest.mark.parametrize("level", ["default", "avx2", "avx512"])
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("kv_layout", ["bhse", "bshe"])
+@pytest.mark.parametrize("L", [17, 33, 64])
+@pytest.mark.parametrize("name", list(MERGED))
+def test_many_queries_per_head_go_in_row_panels(name, L, kv_layout, threads, level, monkeypatch):
+    at_level(level, monkeypatch)
+    expect_merged_case(name, threads, 2, 4, 2, L, 24, 1100, kv_layout)
 
 
 def test_varlen_chunks_of_different_lengths_go_in_row_panels():
