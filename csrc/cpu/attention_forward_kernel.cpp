@@ -126,7 +126,8 @@ struct ForwardWorkspace {
   // Per head of the item (head_floats each): its scaled queries (Qᵀ in
   // panels of nr queries), then the running max m, sum l and rescale factor
   // alpha (bq each), then the unnormalised output o (rows × dv). Decoding
-  // keeps one panel (at most decode_rows() queries).
+  // keeps one such state per panel (at most decode_rows() queries each;
+  // split.heads × split.row_splits of them).
   acc_t* heads_state;
   int64_t dv;    // Ev padded to the panel width
   int64_t state_rows;  // query rows a head's state holds
@@ -484,7 +485,8 @@ class ForwardKernel {
     }
   }
 
-  // The state of the item's head h: its query rows, and its RowState.
+  // The state of the item's head h (decoding: of its panel h): its query
+  // rows, and its RowState.
   acc_t* head_rows(int64_t h, int64_t bq) const {
     return ws_.heads_state + h * ws_.head_floats(p_, bq);
   }

@@ -137,7 +137,7 @@ TEST(Attention, GroupedQueryAttention) {
 }
 
 // Decoding's score tiles of up to 16 query rows (float): 16 query heads of a K/V head packed as
-// rows, 4 heads × 4 queries merged, one head's 16 queries, and 17 or 40 queries per head in
+// rows, 4 heads × 4 queries merged, one head's 16 queries, and 17, 40 or 64 queries per head in
 // panels of rows; the keys of a cache's layout split across 2 threads, with and without a key
 // padding mask. (The sanitized build runs these too: tiles, states and partial results at their
 // largest.)
@@ -147,7 +147,7 @@ TEST(Attention, DecodingTilesAndRowPanels) {
   at::set_num_threads(2);
   const int64_t S = 1100, E = 24;
   for (const auto& [H, H_kv, L] :
-       std::vector<std::array<int64_t, 3>>{{32, 2, 1}, {8, 2, 4}, {4, 2, 16}, {4, 2, 17}, {4, 2, 40}}) {
+       std::vector<std::array<int64_t, 3>>{{32, 2, 1}, {8, 2, 4}, {4, 2, 16}, {4, 2, 17}, {4, 2, 40}, {4, 2, 64}}) {
     SCOPED_TRACE("H=" + std::to_string(H) + " H_kv=" + std::to_string(H_kv) + " L=" + std::to_string(L));
     const auto q = torch::randn({2, H, L, E});
     const auto k = torch::randn({2, S, H_kv, E}).transpose(1, 2);  // (a cache's layout: split keys)

@@ -353,24 +353,31 @@ def test_many_queries_per_head_go_in_row_panels(name, L, kv_layout, threads, lev
     expect_merged_case(name, threads, 2, 4, 2, L, 24, 1100, kv_layout)
 
 
-def test_varlen_chunks_of_different_lengths_go_in_row_panels():
+@pytest.mark.parametrize("threads", [1, 3])
+def test_varlen_chunks_of_different_lengths_go_in_row_panels(threads):
     """Packed sequences with 40, 17 and 5 queries over 1100, 1500 and 1024 keys (panels sized
     for the longest: a shorter sequence's last panels have fewer rows, or none), causal
-    bottom-right per sequence, and their gradients through the backward."""
+    bottom-right per sequence: float32 (panels of up to 16) and float64 (of 8), with the keys
+    split across 3 threads or not, and float64's gradients through the backward."""
     H, Hkv, E = 8, 2, 16
     cu_q = torch.tensor([0, 40, 57, 62], dtype=torch.int32)
     cu_k = torch.tensor([0, 1100, 2600, 3624], dtype=torch.int32)
     q = torch.randn(62, H, E, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(3624, Hkv, E, dtype=torch.float64, requires_grad=True) for _ in range(2))
-    out = fusedmha.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 40, 1500, causal=True)
-    for b in range(3):
-        qs, ks = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
-        ref, _, _ = reference_variants(q[qs].transpose(0, 1), k[ks].transpose(0, 1), v[ks].transpose(0, 1),
-                                       None, True, enable_gqa=True, bottom_right=True)
-        torch.testing.assert_close(out[qs], ref.transpose(0, 1))
-    grad = torch.randn_like(out)
-    got = torch.autograd.grad(out, (q, k, v), grad)
-    want = torch.autograd.grad(_varlen_reference(q, k, v, cu_q, cu_k), (q, k, v), grad)
+    ref = _varlen_reference(q, k, v, cu_q, cu_k)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out32 = fusedmha.flash_attn_varlen_func(q.float(), k.float(), v.float(), cu_q, cu_k, 40, 1500,
+                                                causal=True)
+        out = fusedmha.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 40, 1500, causal=True)
+        grad = torch.randn_like(out)
+        got = torch.autograd.grad(out, (q, k, v), grad)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out32.double(), ref, rtol=2e-5, atol=2e-6)
+    torch.testing.assert_close(out, ref)
+    want = torch.autograd.grad(ref, (q, k, v), grad)
     for g, r in zip(got, want):
         torch.testing.assert_close(g, r)
 
