@@ -75,6 +75,11 @@ int64_t panel_step(const WorkSplit& split, int64_t len_q) {
 int64_t partial_rows(const WorkSplit& split, int64_t len_q) {
   return split.merged * panel_step(split, len_q);
 }
+// Decoding: an item's panels (ForwardKernel::panel_of), one state and one
+// partial-result record each.
+int64_t panel_count(const WorkSplit& split) {
+  return split.heads / split.merged * split.row_splits;
+}
 // Decoding also takes up to kMostDecodeQueries query rows per head, in
 // panels of at most decode_rows() (WorkSplit::row_splits), over at least
 // kMinRowSplitKeys keys: the GEMM path reads a K/V head's keys once per
@@ -268,7 +273,7 @@ class ForwardKernel {
     const int64_t g = item / split_.kv_splits, chunk = item % split_.kv_splits;
     const int64_t heads = split_.heads, o0 = g * heads;
     p_ = sequence_of(p_, o0);  // (a group's heads share their sequence)
-    const int64_t panels = panel_count(), bq = nr;  // (a panel's rows: decode_rows <= nr)
+    const int64_t panels = panel_count(split_), bq = nr;  // (a panel's rows: decode_rows <= nr)
     // The chunk's keys within what any head of the group can see.
     auto [kv_begin, kv_end] = key_range(o0, 0, p_.len_q);
     const int64_t chunk_len = chunk_length(p_.len_kv);
@@ -357,7 +362,7 @@ class ForwardKernel {
     p_ = sequence_of(p_, o0);
     const int64_t dv = ws_.dv, record_rows = partial_rows(split_, call_.len_q);
     const RowState<acc_t> st = head_state(0, nr);
-    for (int64_t h = 0; h < panel_count(); ++h) {
+    for (int64_t h = 0; h < panel_count(split_); ++h) {
       const Panel pn = panel_of(o0, h);
       for (int64_t i = 0; i < pn.rows(); ++i) {
         acc_t top = neg_inf<acc_t>();
@@ -523,7 +528,7 @@ class ForwardKernel {
   acc_t* partial(int64_t g, int64_t c, int64_t h) const {
     const int64_t record = partial_rows(split_, call_.len_q) * (2 + ws_.dv);
     return static_cast<acc_t*>(split_.partials) +
-           ((g * split_.kv_splits + c) * panel_count() + h) * record;
+           ((g * split_.kv_splits + c) * panel_count(split_) + h) * record;
   }
 
   // Decoding: an item's panel, one score tile's rows: per_head rows (from
@@ -532,10 +537,9 @@ class ForwardKernel {
     int64_t o, q0, per_head, heads;
     int64_t rows() const { return per_head * heads; }
   };
-  // The item's panels: its heads in runs of split_.merged, or each head's
+  // Panel h of the item: its heads in runs of split_.merged, or each head's
   // rows in split_.row_splits runs of panel_step (the last ones of a shorter
   // sequence may have fewer rows, or none).
-  int64_t panel_count() const { return split_.heads / split_.merged * split_.row_splits; }
   Panel panel_of(int64_t o0, int64_t h) const {
     if (split_.row_splits == 1) return {o0 + h * split_.merged, 0, p_.len_q, split_.merged};
     const int64_t step = panel_step(split_, call_.len_q);
@@ -860,8 +864,7 @@ WorkSplit configure(const AttentionParams& p, int64_t threads) {
   ForwardWorkspace<acc_t> sizing(p, split, counter);
   split.workspace_bytes = counter.bytes();
   if (split.kv_splits > 1) {
-    split.partial_bytes = sizeof(acc_t) * split.items * (split.heads / split.merged) *
-                          split.row_splits *
+    split.partial_bytes = sizeof(acc_t) * split.items * panel_count(split) *
                           partial_rows(split, p.len_q) * (2 + sizing.dv);
   }
   return split;
