@@ -36,8 +36,8 @@ DropoutParams draw_dropout(double dropout_p) {
   return d;
 }
 
-// The most query heads of a K/V head that a decoding item takes as rows
-// (the selected kernels' decoding tiles).
+// The most query heads of a K/V head that the forward packs as rows of one
+// decoding item: the selected kernels' score tile.
 int64_t decode_rows(const at::Tensor& query) {
   return selected_kernels().forward_decode_rows(query.scalar_type() == at::kDouble);
 }

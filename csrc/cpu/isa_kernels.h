@@ -53,7 +53,7 @@ struct WorkSplit {
   /* Decoding with split keys: merges group g's partial results into out and lse. */       \
   void forward_combine(const AttentionParams& p, const WorkSplit& s, int64_t group,        \
                        void* workspace);                                                   \
-  /* The most query rows one decoding item takes (float64: of a float64 call). */          \
+  /* The most query rows of one decoding score tile (float64: of a float64 call). */       \
   int64_t forward_decode_rows(bool float64);                                               \
   /* One item = one (outer index, set of key blocks); also sets bp.grad_q_splits. */       \
   WorkSplit backward_configure(BackwardParams& bp, int64_t threads);                       \

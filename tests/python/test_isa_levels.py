@@ -90,18 +90,20 @@ def test_unknown_level(force_isa):
 
 
 @pytest.mark.parametrize("level", ["default", "avx2", "avx512"])
-@pytest.mark.parametrize("L", [1, 2, 4, 300])
-@pytest.mark.parametrize("H,H_kv,S", [(3, 3, 37), (8, 2, 300), (16, 2, 300), (32, 1, 300), (22, 2, 300)],
-                         ids=["mha", "gqa4", "gqa8", "mqa32", "gqa11"])
+@pytest.mark.parametrize("L", [1, 2, 4, 24, 300])
+@pytest.mark.parametrize("H,H_kv,S", [(3, 3, 37), (8, 2, 300), (16, 2, 300), (32, 1, 300), (22, 2, 300),
+                                      (8, 2, 1100)],
+                         ids=["mha", "gqa4", "gqa8", "mqa32", "gqa11", "gqa4_long"])
 @pytest.mark.parametrize("E", [32, 160])
 def test_probabilities_of_huge_scores_match_the_forward(level, L, H, H_kv, S, E, force_isa):
     """The weights pass recomputes each score and takes exp(s − lse) with the forward's lse:
     with scores of 1e30 one ulp between the two is a factor e^(±1e23), so the forward's scores
     must equal the GEMM's to the bit. That covers the few-row paths: short query blocks, and
     decoding (S >= 256), whose GQA groups read their 4 or 8 query heads as rows of one block
-    (with L = 2 and 4 the rows of 4 or 2 heads share a tile of 8; transposed keys, or the keys
-    as rows, by the vector width; 32 heads over one K/V head as 4 blocks of 8, 11 as heads of
-    their own sharing each key block's transpose);
+    (with L = 2 and 4 the rows of several heads share a tile of up to 16 in float on AVX2 and
+    AVX-512, 8 otherwise; transposed keys, or the keys as rows, by the vector width; 32 heads
+    over one K/V head as blocks of 16 or 8, 11 as heads of their own sharing each key block's
+    transpose; 24 queries per head over 1100 keys in panels of 12 or 8 rows);
     E = 160 sums the head dim in chunks (64, 64, 32), which every path must split alike.
     Then every row of probabilities sums to 1 and the output is probs @ v."""
     if level not in fusedmha.build_info()["cpu_isas"] or not NEEDS[level] <= cpu_flags():
