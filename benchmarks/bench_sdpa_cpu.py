@@ -5,8 +5,9 @@ implementation, timed in alternation (median per call). Prints time, GFLOP/s and
 
 Variants: plain, causal, a float (L, S) mask ("mask"), and a bool key padding mask of shape
 (B, 1, 1, S) that pads the last eighth of the keys ("pad"). For the two masks, "of plain" is
-fusedmha's unmasked time over its masked time, the plain call timed in the same alternation
-(GFLOP/s count the full L·S work either way).
+fusedmha's unmasked time over its masked time, the plain call timed in the same alternation,
+as the median over the rounds of each round's ratio (GFLOP/s count the full L·S work either
+way).
 
     python benchmarks/bench_sdpa_cpu.py [--quick] [--lengths 256 1024 4096]
 """
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fusedmha  # noqa: E402
 from common import (attention_flops, fma_peak_gflops, peak_extra_memory,  # noqa: E402
-                    peak_memory_in_fresh_process, time_interleaved, unfused_attention)
+                    paired_ratio, peak_memory_in_fresh_process, time_interleaved, unfused_attention)
 
 
 def run_speed(lengths, dtypes, B, H, E, min_time):
@@ -54,13 +55,18 @@ def run_speed(lengths, dtypes, B, H, E, min_time):
                 if variant in masks:
                     fns.append(lambda: fusedmha.scaled_dot_product_attention(q, k, v))
                 peak = fma_peak_gflops()  # next to the timing: the clock drifts
-                times = time_interleaved(fns, min_time)
+                # (5 rounds at least for the masked rows: "of plain" is a ratio of two of
+                # this row's calls, the median of its rounds.)
+                samples = []
+                times = time_interleaved(fns, min_time, min_rounds=5 if variant in masks else 3,
+                                         samples=samples)
                 t_f, t_t = times[0], times[1]
                 if with_unfused:
                     unfused = f"{times[2] * 1e3:11.2f} {times[2] / t_f:10.2f}x"
                 else:
                     unfused = f"{'-':>11s} {'-':>11s}"
-                of_plain = f"{times[-1] / t_f:8.2f}x" if variant in masks else f"{'-':>9s}"
+                of_plain = (f"{paired_ratio(samples[-1], samples[0]):8.2f}x" if variant in masks
+                            else f"{'-':>9s}")
                 flops = attention_flops(B, H, L, L, E, variant == "causal")
                 g_f, g_t = flops / t_f / 1e9, flops / t_t / 1e9
                 print(f"{str(dtype).replace('torch.', ''):9s} {L:6d} {variant:8s} {t_f * 1e3:12.2f} "

@@ -128,23 +128,34 @@ def unfused_attention(q, k, v, attn_mask=None, is_causal=False):
     return torch.softmax(scores, dim=-1) @ v
 
 
-def time_interleaved(fns, min_time=0.5, warmup=1, before_each=None):
+def time_interleaved(fns, min_time=0.5, warmup=1, before_each=None, min_rounds=3, samples=None):
     """Median seconds per call of each function, measured in alternation (one call of each
     per round) so that a slow spell of a shared machine hits all of them alike. before_each,
-    when given, runs untimed before every call (cold caches: CacheFlush)."""
+    when given, runs untimed before every call (cold caches: CacheFlush). samples, when given
+    (a list), receives each function's times round by round, for paired_ratio."""
     for fn in fns:
         for _ in range(warmup):
             fn()
-    samples = [[] for _ in fns]
+    times = [[] for _ in fns]
     start = time.perf_counter()
-    while time.perf_counter() - start < min_time * len(fns) or len(samples[0]) < 3:
-        for fn, s in zip(fns, samples):
+    while time.perf_counter() - start < min_time * len(fns) or len(times[0]) < min_rounds:
+        for fn, s in zip(fns, times):
             if before_each is not None:
                 before_each()
             t = time.perf_counter()
             fn()
             s.append(time.perf_counter() - t)
-    return [sorted(s)[len(s) // 2] for s in samples]
+    if samples is not None:
+        samples[:] = times
+    return [sorted(s)[len(s) // 2] for s in times]
+
+
+def paired_ratio(numerators, denominators):
+    """The median over rounds of one round's time over the other's, for two functions timed
+    in the same rounds: a ratio that the machine's drift from round to round cancels out of,
+    where the ratio of two medians can pair a fast minute of one with a slow one of the other."""
+    ratios = sorted(n / d for n, d in zip(numerators, denominators))
+    return ratios[len(ratios) // 2]
 
 
 def peak_memory_in_fresh_process(script, name, L, H, E):

@@ -353,6 +353,16 @@ def test_many_queries_per_head_go_in_row_panels(name, L, kv_layout, threads, lev
     expect_merged_case(name, threads, 2, 4, 2, L, 24, 1100, kv_layout)
 
 
+# 64 queries of 32 heads at E=128 hold 2 MiB of query state (4 in float64), more than a
+# core's L2 on most CPUs: an item then takes fewer heads (a multiple of a K/V head's 4), in
+# both layouts, the keys split across 3 threads or not.
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("kv_layout", ["bhse", "bshe"])
+@pytest.mark.parametrize("name", ["plain", "causal_bottom_right", "sinks"])
+def test_query_state_beyond_l2_splits_the_heads_among_items(name, kv_layout, threads):
+    expect_merged_case(name, threads, 1, 32, 8, 64, 128, 1100, kv_layout)
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 def test_varlen_chunks_of_different_lengths_go_in_row_panels(threads):
     """Packed sequences with 40, 17 and 5 queries over 1100, 1500 and 1024 keys (panels sized
@@ -380,6 +390,22 @@ def test_varlen_chunks_of_different_lengths_go_in_row_panels(threads):
     want = torch.autograd.grad(ref, (q, k, v), grad)
     for g, r in zip(got, want):
         torch.testing.assert_close(g, r)
+
+
+def test_varlen_query_state_beyond_l2_splits_the_heads_among_items():
+    """Packed chunks of 64 and 30 queries of 32 heads (E=128: 2 MiB of query state in float32)
+    over 1100 and 1030 keys, causal bottom-right: the items take fewer heads each."""
+    H, Hkv, E = 32, 8, 128
+    cu_q = torch.tensor([0, 64, 94], dtype=torch.int32)
+    cu_k = torch.tensor([0, 1100, 2130], dtype=torch.int32)
+    q = torch.randn(94, H, E, dtype=torch.float64)
+    k, v = (torch.randn(2130, Hkv, E, dtype=torch.float64) for _ in range(2))
+    ref = _varlen_reference(q, k, v, cu_q, cu_k)
+    out32 = fusedmha.flash_attn_varlen_func(q.float(), k.float(), v.float(), cu_q, cu_k, 64, 1100,
+                                            causal=True)
+    out = fusedmha.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 64, 1100, causal=True)
+    torch.testing.assert_close(out32.double(), ref, rtol=2e-5, atol=2e-6)
+    torch.testing.assert_close(out, ref)
 
 
 def _varlen_reference(q, k, v, cu_q, cu_k):
