@@ -45,6 +45,12 @@ def cases():
         yield (r(2, 4, 70, 13, dtype=dtype), r(2, 4, 90, 13, dtype=dtype), r(2, 4, 90, 21, dtype=dtype)), {"is_causal": True}
         yield (r(2, 4, 37, 128, dtype=dtype), r(2, 2, 45, 128, dtype=dtype), r(2, 2, 45, 128, dtype=dtype)), \
             {"attn_mask": torch.rand(37, 45) > 0.3, "enable_gqa": True}
+        # Masks converted to additive terms a vector at a time, rows of 45 keys (whole vectors
+        # and a tail): a bool mask per head, and one of the inputs' dtype per batch index.
+        yield (r(2, 4, 37, 64, dtype=dtype), r(2, 4, 45, 64, dtype=dtype), r(2, 4, 45, 64, dtype=dtype)), \
+            {"attn_mask": torch.rand(2, 4, 37, 45) > 0.3}
+        yield (r(2, 4, 37, 64, dtype=dtype), r(2, 4, 45, 64, dtype=dtype), r(2, 4, 45, 64, dtype=dtype)), \
+            {"attn_mask": r(2, 1, 37, 45, dtype=dtype)}
         # A block of 256 query rows (scores from the transposed key blocks) and one of 44; a head
         # dim and a last key block that are not whole vectors.
         yield (r(2, 4, 300, 40, dtype=dtype), r(2, 4, 333, 40, dtype=dtype), r(2, 4, 333, 24, dtype=dtype)), {}
