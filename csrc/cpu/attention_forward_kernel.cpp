@@ -288,6 +288,8 @@ class ForwardKernel {
       const int64_t cols = std::min(split_.block_kv, kv_end - kv_begin);
       tiles_.queue_key_rows(prefetch_, Tiles::KeySide::K, o0, kv_begin, cols, p_.dim_qk);
       tiles_.queue_key_rows(prefetch_, Tiles::KeySide::V, o0, kv_begin, cols, p_.dim_v);
+      const Panel first = panel_of(o0, 0);
+      tiles_.queue_mask_tile(prefetch_, first.o, first.q0, first.rows(), kv_begin, cols);
       prefetch_.issue(std::numeric_limits<int64_t>::max());
     }
     for (int64_t h = 0; h < panels; ++h) start_panel(panel_of(o0, h), bq, chunk, h);
@@ -412,7 +414,8 @@ class ForwardKernel {
                              int64_t rows, int64_t o0, bool keys_transposed) {
     const bool last_head = h + 1 == panels;
     const int64_t o = panel_of(o0, h).o;
-    const int64_t next_o = panel_of(o0, last_head ? 0 : h + 1).o;
+    const Panel next = panel_of(o0, last_head ? 0 : h + 1);
+    const int64_t next_o = next.o;
     const int64_t next_k0 = last_head ? k0 + split_.block_kv : k0;
     const int64_t next_cols = std::min(split_.block_kv, kv_end - next_k0);
     // (Not where the next head reads this one's rows: they are here already.)
@@ -424,6 +427,9 @@ class ForwardKernel {
     }
     if (next_cols > 0 && !same_rows(Tiles::KeySide::V)) {
       tiles_.queue_key_rows(prefetch_, Tiles::KeySide::V, next_o, next_k0, next_cols, p_.dim_v);
+    }
+    if (next_cols > 0 && p_.mask_kind != MaskKind::None) {
+      tiles_.queue_mask_tile(prefetch_, next.o, next.q0, next.rows(), next_k0, next_cols);
     }
     const int64_t cols = std::min(split_.block_kv, kv_end - k0);
     prefetch_.pace(tiles_.few_row_bursts(cols, rows, keys_transposed) +

@@ -830,18 +830,19 @@ class TileReader {
     queue.add(start(t, o) + r0 * t.row_stride, t.row_stride * size, rows, dim * size);
   }
   // Queues the mask's tile of queries q0..q0+rows and keys k0..k0+cols
-  // (outer index o), for a general mask: its rows are a row stride apart,
-  // with long keys each in a page of its own, where the hardware
-  // prefetchers do not follow. (A key padding mask is one row.)
+  // (outer index o): a general mask's rows are a row stride apart, with long
+  // keys each in a page of its own, where the hardware prefetchers do not
+  // follow; a key padding mask is one row (decoding reads its few lines
+  // a block at a time, each a stall from cold caches when not queued).
   void queue_mask_tile(PrefetchQueue& queue, int64_t o, int64_t q0, int64_t rows, int64_t k0,
                        int64_t cols) const {
     const Matrix& mk = p_.mask;
-    if (mk.row_stride == 0 || mk.col_stride != 1 || cols <= 0) return;
+    if (mk.col_stride != 1 || cols <= 0) return;
     with_mask_type([&](auto mask) {
       using mask_t = decltype(mask);
       constexpr int64_t size = sizeof(mask_t);
       const mask_t* first = matrix_start<const mask_t>(p_.outer, mk, o) + q0 * mk.row_stride + k0;
-      queue.add(first, mk.row_stride * size, rows, cols * size);
+      queue.add(first, mk.row_stride * size, mk.row_stride == 0 ? 1 : rows, cols * size);
     });
   }
   // Queues keys k0..k0+cols of K or V (dim wide) to be brought into L2.

@@ -51,11 +51,12 @@ struct DenseGradients {
 // Whether a call decodes with grouped-query heads in a way the kernels can
 // read as rows: one query row (L = 1), H = G·H_kv query heads with G > 1,
 // and nothing that tells those rows apart by position or head (no window, a
-// causal mask only if bottom-right (it then hides nothing), no ALiBi, sinks,
-// dropout or per-head mask). Then the G query heads that share a K/V head
-// are G rows of one item (or G / G' items of G' rows, where the backend caps
-// the rows: AttentionCall's most_packed_rows): K/V are read once per group,
-// not once per head, and the score tiles are G rows deep instead of 1.
+// causal mask only if bottom-right (it then hides nothing), no ALiBi, sinks
+// or dropout; a mask per head is read as rows too). Then the G query heads
+// that share a K/V head are G rows of one item (or G / G' items of G' rows,
+// where the backend caps the rows: AttentionCall's most_packed_rows): K/V
+// are read once per group, not once per head, and the score tiles are G
+// rows deep instead of 1.
 bool packs_query_heads(const at::Tensor& query, const at::Tensor& key,
                        const std::optional<at::Tensor>& attn_mask, bool is_causal,
                        const AttentionVariants& variants, double dropout_p);

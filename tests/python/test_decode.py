@@ -15,10 +15,10 @@ CASES = {
     "padding_mask": dict(mask="padding"),
     "float_mask_row": dict(mask="float_row"),
     "softcap": dict(softcap=2.0),
+    "per_head_mask": dict(mask="per_head"),  # (each head's mask row a row of the tile)
     # Not packed: each row's position or head matters.
     "causal_top_left": dict(is_causal=True),
     "window": dict(window_left=9, bottom_right=True, is_causal=True),
-    "per_head_mask": dict(mask="per_head"),
     "alibi": dict(alibi=True, bottom_right=True),
     "sinks": dict(sinks=True),
 }
@@ -356,6 +356,36 @@ def test_many_queries_per_head_go_in_row_panels(name, L, kv_layout, threads, lev
 # 64 queries of 32 heads at E=128 hold 2 MiB of query state (4 in float64), more than a
 # core's L2 on most CPUs: an item then takes fewer heads (a multiple of a K/V head's 4), in
 # both layouts, the keys split across 3 threads or not.
+# A mask per query head, (B, H, 1, S), (1, H, 1, S) or (H, 1, S), bool or float: the heads of a
+# K/V head are still read as rows of one item (up to 16 of 32 over one K/V head), each head's
+# mask row a row of the tile; one head sees no key at all (bool) or only -inf (float), and gets
+# 0. Keys split across 3 threads or not, at each runnable ISA level, float64 and float32.
+@pytest.mark.parametrize("level", ["default", "avx2", "avx512"])
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("shape", ["BH1S", "1H1S", "H1S"])
+@pytest.mark.parametrize("kind", ["bool", "float"])
+@pytest.mark.parametrize("heads", [(8, 2), (32, 1)], ids=["g4", "g32"])
+def test_per_head_masks_keep_the_heads_of_a_kv_head_together(heads, kind, shape, threads, level,
+                                                             monkeypatch):
+    at_level(level, monkeypatch)
+    (H, Hkv), B, E, S = heads, 2, 24, 700
+    q = torch.randn(B, H, 1, E, dtype=torch.float64)
+    k, v = (torch.randn(B, S, Hkv, E, dtype=torch.float64).transpose(1, 2) for _ in range(2))
+    dims = {"BH1S": (B, H, 1, S), "1H1S": (1, H, 1, S), "H1S": (H, 1, S)}[shape]
+    if kind == "bool":
+        mask = torch.rand(dims) > 0.3
+        mask[..., 3, :, :] = False
+    else:
+        mask = torch.randn(dims, dtype=torch.float64)
+        mask[..., 3, :, :] = float("-inf")
+    ref, ref_lse, _ = reference_variants(q, k, v, mask, enable_gqa=True)
+    for dtype, tol in ((torch.float64, {}), (torch.float32, dict(rtol=2e-5, atol=2e-6))):
+        m = mask if kind == "bool" else mask.to(dtype)
+        out, lse = forward_at_threads(threads, q.to(dtype), k.to(dtype), v.to(dtype), m, False)
+        torch.testing.assert_close(out.double(), ref, **tol)
+        torch.testing.assert_close(lse.double(), ref_lse, **tol)
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("kv_layout", ["bhse", "bshe"])
 @pytest.mark.parametrize("name", ["plain", "causal_bottom_right", "sinks"])

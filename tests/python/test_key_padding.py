@@ -41,7 +41,21 @@ def test_suffix_padding_matches_float64(lengths, kw):
     torch.testing.assert_close(weights, want.mean(-3))
 
 
-@pytest.mark.parametrize("mask_kind", ["hole", "per_head", "per_row"])
+def test_suffix_padding_read_through_strides():
+    """A suffix mask that is a strided view (every second key of a buffer whose other keys
+    repeat them): its rows are read through the key and batch strides, not as contiguous."""
+    B, H, L, S, E = 3, 2, 4, 30, 8
+    q, k, v = (torch.randn(B, H, n, E, dtype=torch.float64) for n in (L, S, S))
+    buffer = suffix_mask([5, 30, 0], S, (B, 1, 1, S)).repeat_interleave(2, dim=-1)
+    mask = buffer[..., ::2]
+    assert mask.stride(-1) == 2
+    out = fusedmha.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    ref, _, _ = reference_variants(q, k, v, mask)
+    torch.testing.assert_close(out, ref)
+
+
+@pytest.mark.parametrize("mask_kind", ["hole", "hole_in_the_last_row", "left_padding", "per_head",
+                                       "per_row"])
 def test_masks_that_are_not_suffix_padding(mask_kind):
     B, H, L, S, E = 2, 3, 5, 20, 8
     q, k, v = (torch.randn(B, H, n, E, dtype=torch.float64) for n in (L, S, S))
@@ -49,6 +63,11 @@ def test_masks_that_are_not_suffix_padding(mask_kind):
     if mask_kind == "hole":
         mask = mask.clone()
         mask[0, ..., 3] = False
+    elif mask_kind == "hole_in_the_last_row":
+        mask = mask.clone()
+        mask[1, ..., 12] = False
+    elif mask_kind == "left_padding":
+        mask = mask.flip(-1)
     elif mask_kind == "per_head":
         mask = mask.expand(B, H, 1, S).clone()
         mask[1, 2, 0, 7:] = False
