@@ -397,8 +397,8 @@ class ForwardKernel {
   }
 
  private:
-  // Decoding: queues the keys and values of the (panel, key block) after
-  // panel h's block at k0 into L2, paced over the bursts that h's block
+  // Decoding: queues the keys and values (and the mask's tile) of the
+  // (panel, key block) after panel h's block at k0 into L2, paced over the bursts that h's block
   // issues (those of its scores, few_row_bursts, one every
   // kSoftmaxKeysPerBurst keys of its softmax and one per micro-kernel call
   // of its P·V); the loads find them there. Into L1 (prefetcht0), each
@@ -428,7 +428,10 @@ class ForwardKernel {
     if (next_cols > 0 && !same_rows(Tiles::KeySide::V)) {
       tiles_.queue_key_rows(prefetch_, Tiles::KeySide::V, next_o, next_k0, next_cols, p_.dim_v);
     }
-    if (next_cols > 0 && p_.mask_kind != MaskKind::None) {
+    // (A key padding row that every head shares: once per block.)
+    const bool shared_row = p_.mask.row_stride == 0 &&
+                            (p_.outer.dims == 0 || p_.mask.outer_stride[p_.outer.dims - 1] == 0);
+    if (next_cols > 0 && p_.mask_kind != MaskKind::None && (last_head || !shared_row)) {
       tiles_.queue_mask_tile(prefetch_, next.o, next.q0, next.rows(), next_k0, next_cols);
     }
     const int64_t cols = std::min(split_.block_kv, kv_end - k0);
@@ -840,11 +843,12 @@ WorkSplit configure(const AttentionParams& p, int64_t threads) {
       }
     }
     // And no more heads than keep their query rows' state (queries, output,
-    // max/sum) within L2, which every key block reads all of: 64 queries of
-    // 32 heads (E=128, fp32) hold 2 MiB. (Zen 4, 1 MiB L2, H=32 over
-    // H_kv=8, a (B, S, H_kv, E) cache, alternating in one process: 8 heads
-    // per item, not 32, 3-6% faster at 32-64 queries per head, S=4096 and
-    // 32768; 4 heads 2-5%.)
+    // max/sum; counted by rows, not padded lanes) within L2, which every key
+    // block reads all of: 64 queries of 32 heads (E=128, fp32) hold 2 MiB.
+    // The most heads that fit. (Zen 4, 1 MiB L2, H=32 over H_kv=8, a
+    // (B, S, H_kv, E) cache, alternating in one process: 16 heads per item
+    // at 32 queries per head and 8 at 64, not 32, 3-6% faster at S=4096 and
+    // 32768; half of L2 as the bound, 8 and 4 heads, 2-5%.)
     const int64_t state_per_head = static_cast<int64_t>(sizeof(acc_t)) * p.len_q *
                                    (p.dim_qk + round_up(p.dim_v, nr) + 3);
     for (int64_t all = split.heads, h = all - 1, share = std::max<int64_t>(heads_sharing_kv(p), 1);

@@ -842,7 +842,8 @@ class TileReader {
       using mask_t = decltype(mask);
       constexpr int64_t size = sizeof(mask_t);
       const mask_t* first = matrix_start<const mask_t>(p_.outer, mk, o) + q0 * mk.row_stride + k0;
-      queue.add(first, mk.row_stride * size, mk.row_stride == 0 ? 1 : rows, cols * size);
+      queue.add(first, mk.row_stride * size, rows > 0 && mk.row_stride == 0 ? 1 : rows,
+                cols * size);
     });
   }
   // Queues keys k0..k0+cols of K or V (dim wide) to be brought into L2.

@@ -3,12 +3,11 @@
 #include "ops/attention_checks.h"
 #include "ops/attention_shapes.h"
 
-#include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/equal.h>
-#include <ATen/ops/lt.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
+
+#include <algorithm>
 
 namespace fusedmha::ops {
 namespace {
@@ -227,19 +226,21 @@ bool AttentionCall::use_key_lengths(const at::Tensor& mask) {
   // ATen ops, a sum, an arange, a compare and an equal, the test cost a
   // decoding step from cold caches ~130 us, 10% of one query over 4096
   // keys on Zen 4, also where it failed, as for a left-padded batch.)
-  const bool* data = mask.const_data_ptr<bool>();
+  // (Its bytes, nonzero = true, as the kernels read them.)
+  const uint8_t* data = static_cast<const uint8_t*>(mask.const_data_ptr());
   const int64_t batch_stride = mask.stride(0), key_stride = mask.stride(-1);
-  at::Tensor lengths = at::empty({batch}, mask.options().dtype(at::kLong));
-  int64_t* length = lengths.mutable_data_ptr<int64_t>();
+  c10::SmallVector<int64_t, 16> found(batch);
   for (int64_t b = 0; b < batch; ++b) {
-    const bool* row = data + b * batch_stride;
+    const uint8_t* row = data + b * batch_stride;
     int64_t j = 0;
     while (j < inputs_.len_kv && row[j * key_stride]) ++j;
-    length[b] = j;
+    found[b] = j;
     for (; j < inputs_.len_kv; ++j) {
       if (row[j * key_stride]) return false;
     }
   }
+  at::Tensor lengths = at::empty({batch}, mask.options().dtype(at::kLong));
+  std::copy(found.begin(), found.end(), lengths.mutable_data_ptr<int64_t>());
   kept_.push_back(lengths);
   inputs_.key_lengths = kept_.back().const_data_ptr<int64_t>();
   inputs_.key_lengths_group = inputs_.num_outer / batch;  // outer indices per batch index

@@ -353,31 +353,30 @@ def test_many_queries_per_head_go_in_row_panels(name, L, kv_layout, threads, lev
     expect_merged_case(name, threads, 2, 4, 2, L, 24, 1100, kv_layout)
 
 
-# 64 queries of 32 heads at E=128 hold 2 MiB of query state (4 in float64), more than a
-# core's L2 on most CPUs: an item then takes fewer heads (a multiple of a K/V head's 4), in
-# both layouts, the keys split across 3 threads or not.
-# A mask per query head, (B, H, 1, S), (1, H, 1, S) or (H, 1, S), bool or float: the heads of a
-# K/V head are still read as rows of one item (up to 16 of 32 over one K/V head), each head's
-# mask row a row of the tile; one head sees no key at all (bool) or only -inf (float), and gets
-# 0. Keys split across 3 threads or not, at each runnable ISA level, float64 and float32.
+# A mask per query head, (B, H, 1, S), (1, H, 1, S) or (H, 1, S), bool or float, takes the
+# packed path: the heads of a K/V head are still read as rows of one item (up to 16 of 32 over
+# one K/V head), each head's mask row a row of the tile; one head sees no key at all (bool) or
+# only -inf (float), and gets 0. "expanded": a key padding row expanded over the heads (head
+# stride 0). Keys split across 3 threads or not, at each runnable ISA level, float64 and float32.
 @pytest.mark.parametrize("level", ["default", "avx2", "avx512"])
 @pytest.mark.parametrize("threads", [1, 3])
-@pytest.mark.parametrize("shape", ["BH1S", "1H1S", "H1S"])
+@pytest.mark.parametrize("shape", ["BH1S", "1H1S", "H1S", "expanded"])
 @pytest.mark.parametrize("kind", ["bool", "float"])
 @pytest.mark.parametrize("heads", [(8, 2), (32, 1)], ids=["g4", "g32"])
-def test_per_head_masks_keep_the_heads_of_a_kv_head_together(heads, kind, shape, threads, level,
-                                                             monkeypatch):
+def test_decoding_with_per_head_masks_matches_float64(heads, kind, shape, threads, level, monkeypatch):
     at_level(level, monkeypatch)
     (H, Hkv), B, E, S = heads, 2, 24, 700
     q = torch.randn(B, H, 1, E, dtype=torch.float64)
     k, v = (torch.randn(B, S, Hkv, E, dtype=torch.float64).transpose(1, 2) for _ in range(2))
-    dims = {"BH1S": (B, H, 1, S), "1H1S": (1, H, 1, S), "H1S": (H, 1, S)}[shape]
+    dims = {"BH1S": (B, H, 1, S), "1H1S": (1, H, 1, S), "H1S": (H, 1, S), "expanded": (B, 1, 1, S)}[shape]
     if kind == "bool":
         mask = torch.rand(dims) > 0.3
-        mask[..., 3, :, :] = False
     else:
         mask = torch.randn(dims, dtype=torch.float64)
-        mask[..., 3, :, :] = float("-inf")
+    if shape == "expanded":
+        mask = mask.expand(B, H, 1, S)
+    else:
+        mask[..., 3, :, :] = False if kind == "bool" else float("-inf")
     ref, ref_lse, _ = reference_variants(q, k, v, mask, enable_gqa=True)
     for dtype, tol in ((torch.float64, {}), (torch.float32, dict(rtol=2e-5, atol=2e-6))):
         m = mask if kind == "bool" else mask.to(dtype)
@@ -386,10 +385,30 @@ def test_per_head_masks_keep_the_heads_of_a_kv_head_together(heads, kind, shape,
         torch.testing.assert_close(lse.double(), ref_lse, **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decoding_with_half_precision_per_head_masks_and_left_padding(dtype):
+    """One query per head over 700 keys in half precision: a per-head mask of the inputs'
+    dtype (its rows widened a vector at a time), and a left-padded bool mask (falses first:
+    not a key length, the general path), against float64 on the same rounded inputs."""
+    B, H, Hkv, E, S = 2, 8, 2, 32, 700
+    q = torch.randn(B, H, 1, E).to(dtype)
+    k, v = (torch.randn(B, Hkv, S, E).to(dtype) for _ in range(2))
+    left_padded = torch.arange(S)[None, None, None, :] >= torch.tensor([100, 0])[:, None, None, None]
+    for mask in (torch.randn(B, H, 1, S).to(dtype), left_padded):
+        out = fusedmha.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        ref, _, _ = reference_variants(q.double(), k.double(), v.double(),
+                                       mask if mask.dtype == torch.bool else mask.double(),
+                                       enable_gqa=True)
+        torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
+
+
+# 64 queries of 32 heads at E=128 hold 2 MiB of query state (4 in float64), more than a
+# core's L2 on most CPUs: an item then takes fewer heads (a multiple of a K/V head's 4), in
+# both layouts, the keys split across 3 threads or not. (Checks the results of that split.)
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("kv_layout", ["bhse", "bshe"])
 @pytest.mark.parametrize("name", ["plain", "causal_bottom_right", "sinks"])
-def test_query_state_beyond_l2_splits_the_heads_among_items(name, kv_layout, threads):
+def test_query_state_beyond_l2_matches_float64(name, kv_layout, threads):
     expect_merged_case(name, threads, 1, 32, 8, 64, 128, 1100, kv_layout)
 
 
@@ -422,7 +441,7 @@ def test_varlen_chunks_of_different_lengths_go_in_row_panels(threads):
         torch.testing.assert_close(g, r)
 
 
-def test_varlen_query_state_beyond_l2_splits_the_heads_among_items():
+def test_varlen_query_state_beyond_l2_matches_float64():
     """Packed chunks of 64 and 30 queries of 32 heads (E=128: 2 MiB of query state in float32)
     over 1100 and 1030 keys, causal bottom-right: the items take fewer heads each."""
     H, Hkv, E = 32, 8, 128
