@@ -398,10 +398,10 @@ class ForwardKernel {
 
  private:
   // Decoding: queues the keys and values (and the mask's tile) of the
-  // (panel, key block) after panel h's block at k0 into L2, paced over the bursts that h's block
-  // issues (those of its scores, few_row_bursts, one every
-  // kSoftmaxKeysPerBurst keys of its softmax and one per micro-kernel call
-  // of its P·V); the loads find them there. Into L1 (prefetcht0), each
+  // (panel, key block) after panel h's block at k0 into L2, paced over the
+  // bursts that h's block issues (those of its scores, few_row_bursts, one
+  // every kSoftmaxKeysPerBurst keys of its softmax and one per micro-kernel
+  // call of its P·V); the loads find them there. Into L1 (prefetcht0), each
   // prefetch held one of L1's few miss buffers for a trip to memory and the
   // kernel stalled on them; in a (B, S, H_kv, E) cache a head's rows are
   // 4 KiB apart, in the same L1 sets, and were evicted before their use. On
