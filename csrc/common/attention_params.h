@@ -134,11 +134,13 @@ struct AttentionParams {
   Matrix q, k, v;
   MaskKind mask_kind = MaskKind::None;
   Matrix mask;
-  // Suffix padding of the keys, when set: outer index o sees only its first
-  // key_lengths[o / key_lengths_group] keys (the rest are skipped, never
-  // read). The CPU host sets it for a bool mask that pads a suffix.
-  const int64_t* key_lengths = nullptr;
-  int64_t key_lengths_group = 1;
+  // Padding of the keys, when set: outer index o sees only keys [begin,
+  // end) = key_spans[2b], key_spans[2b + 1] with b = o / key_spans_group
+  // (the rest are skipped, never read). The CPU host sets it for a bool mask
+  // whose rows are each one run of trues: left padding, a suffix (a static
+  // cache's unused slots), or both.
+  const int64_t* key_spans = nullptr;
+  int64_t key_spans_group = 1;
   Sequences seq;
   Pages pages;
 
@@ -280,9 +282,13 @@ FUSEDMHA_HOST_DEVICE int64_t band_query_end(const AttentionParams& p, int64_t k1
   return q < 0 ? 0 : (q > p.len_q ? p.len_q : q);
 }
 
-// The keys outer index o may see at all (suffix padding aside: len_kv).
+// The keys [first_key_of, keys_of) outer index o may see at all (padding
+// aside: [0, len_kv)).
+FUSEDMHA_HOST_DEVICE int64_t first_key_of(const AttentionParams& p, int64_t o) {
+  return p.key_spans ? p.key_spans[2 * (o / p.key_spans_group)] : 0;
+}
 FUSEDMHA_HOST_DEVICE int64_t keys_of(const AttentionParams& p, int64_t o) {
-  return p.key_lengths ? p.key_lengths[o / p.key_lengths_group] : p.len_kv;
+  return p.key_spans ? p.key_spans[2 * (o / p.key_spans_group) + 1] : p.len_kv;
 }
 
 // The slope and sink of outer index o (0 and -inf when off).

@@ -114,7 +114,8 @@ class BackwardKernel {
     // none when they are all key padding (their gradients are then 0).
     const int64_t block_q = split_.block_q;
     const int64_t q_begin = band_query_begin(p_, k0);
-    const int64_t q_end = k0 < keys_of(p_, o) ? band_query_end(p_, k0 + cols) : q_begin;
+    const bool padding = k0 >= keys_of(p_, o) || k0 + cols <= first_key_of(p_, o);
+    const int64_t q_end = padding ? q_begin : band_query_end(p_, k0 + cols);
     for (int64_t q0 = q_begin; q0 < q_end; q0 += block_q) {
       const int64_t rows = std::min(block_q, q_end - q0);
       const int64_t bq = round_up(rows, nr);

@@ -274,12 +274,15 @@ class ForwardKernel {
     const int64_t heads = split_.heads, o0 = g * heads;
     p_ = sequence_of(p_, o0);  // (a group's heads share their sequence)
     const int64_t panels = panel_count(split_), bq = nr;  // (a panel's rows: decode_rows <= nr)
-    // The chunk's keys within what any head of the group can see.
+    // The chunk's share of the keys any head of the group can see: chunks
+    // of those keys, not of all, so that left padding, a static cache's
+    // unused slots or a sliding window leave no thread idle. (Chunks are
+    // whole blocks: a paged cache's still start at multiples of the block.)
     auto [kv_begin, kv_end] = key_range(o0, 0, p_.len_q);
-    const int64_t chunk_len = chunk_length(p_.len_kv);
-    kv_begin = std::max(kv_begin, chunk * chunk_len);
-    kv_end = std::min(kv_end, (chunk + 1) * chunk_len);
     if (p_.pages.table) kv_begin = kv_begin / split_.block_kv * split_.block_kv;
+    const int64_t chunk_len = chunk_length(kv_end - kv_begin);
+    kv_begin = std::min(kv_end, kv_begin + chunk * chunk_len);
+    kv_end = std::min(kv_end, kv_begin + chunk_len);
     // The first (head, block) now, while the query panels are packed: the
     // loop below queues each next one, and nothing queued this one. (One
     // query over a 1024-key GQA cache, caches flushed before each call:
@@ -866,12 +869,12 @@ WorkSplit configure(const AttentionParams& p, int64_t threads) {
     if (p.len_q > 1 && p.mask_kind == MaskKind::None && !p.alibi_slopes.data) {
       // (Of the item's heads, those that read the same K rows, the same V
       // rows (K and V may have different head counts, or one broadcast) and,
-      // with key lengths, the same length: where the last outer dim is not
+      // with key spans, the same span: where the last outer dim is not
       // the heads (one query head), it may be sequences with keys of their
       // own.)
       const int64_t same_kv = common_divisor(heads_sharing(p, p.k), heads_sharing(p, p.v));
       int64_t share = common_divisor(same_kv, split.heads);
-      if (p.key_lengths) share = common_divisor(share, p.key_lengths_group);
+      if (p.key_spans) share = common_divisor(share, p.key_spans_group);
       int64_t merged = std::min(share, decode_rows<acc_t>() / p.len_q);
       while (merged > 1 && share % merged != 0) --merged;
       split.merged = std::max<int64_t>(merged, 1);

@@ -1121,11 +1121,11 @@ class TileReader {
       const int64_t step = period > 0 ? period : std::max<int64_t>(rows, 1);
       for (int64_t i = 0; i < rows; i += step) apply_band(q0, step, bq, k0, cols, st + i);
     }
-    // Keys past o's length (suffix padding): rows of −inf.
-    const int64_t keys = keys_of(p_, o);
-    for (int64_t j = std::max<int64_t>(keys - k0, 0); j < cols; ++j) {
-      std::fill(st + j * bq, st + (j + 1) * bq, neg_inf<acc_t>());
-    }
+    // Keys outside o's span (padding, left or right): rows of −inf.
+    const int64_t first = std::clamp<int64_t>(first_key_of(p_, o) - k0, 0, cols);
+    const int64_t last = std::clamp<int64_t>(keys_of(p_, o) - k0, first, cols);
+    std::fill(st, st + first * bq, neg_inf<acc_t>());
+    std::fill(st + last * bq, st + cols * bq, neg_inf<acc_t>());
     if (shared_terms) return;
     with_mask_type([&](auto mask) {
       apply_mask<decltype(mask), /*kAdd=*/true>(o, q0, rows, bq, k0, cols, st, mt);
@@ -1220,7 +1220,7 @@ class TileReader {
   // (the band, and the key padding).
   std::pair<int64_t, int64_t> key_range(int64_t o, int64_t q0, int64_t rows) const {
     const int64_t end = std::min(band_key_end(p_, q0 + rows), keys_of(p_, o));
-    return {std::min(band_key_begin(p_, q0), end), end};
+    return {std::min(std::max(band_key_begin(p_, q0), first_key_of(p_, o)), end), end};
   }
 
   // x[j·bq + c] *= dm[j·bq + c] over the tile.

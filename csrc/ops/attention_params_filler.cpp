@@ -119,7 +119,7 @@ AttentionCall::AttentionCall(const char* op, const at::Tensor& query, const at::
   p.q = describe_in_layout(query, true);
   p.k = describe_in_layout(key, false);
   p.v = describe_in_layout(value, false);
-  if (attn_mask.has_value() && !use_key_lengths(*attn_mask)) {
+  if (attn_mask.has_value() && !use_key_spans(*attn_mask)) {
     // (Packed heads with a mask per head: each head's mask row is a row of
     // the item's tile, as the queries are. On Zen 4, one query per head over
     // S=4096 with a (B, H, 1, S) float mask, caches flushed: 2x faster than
@@ -211,10 +211,10 @@ void AttentionCall::set_variants(bool is_causal, std::optional<double> scale,
   if (variants.sinks.has_value()) p.sinks = describe_per_head(*variants.sinks);
 }
 
-bool AttentionCall::use_key_lengths(const at::Tensor& mask) {
+bool AttentionCall::use_key_spans(const at::Tensor& mask) {
   // A key padding mask: bool, on the CPU (reading it costs no device sync),
-  // one row per batch index (size 1 in every other dim), and each row a run
-  // of trues then falses.
+  // one row per batch index (size 1 in every other dim), and each row one
+  // run of trues (falses before it: left padding; after it: a suffix).
   if (mask.scalar_type() != at::kBool || !mask.is_cpu() || outer_shape_.size() < 2) return false;
   const int64_t n = static_cast<int64_t>(outer_shape_.size()), batch = outer_shape_[0];
   if (batch == 0) return false;  // (an empty batch: nothing to read, and no group to divide by)
@@ -222,28 +222,32 @@ bool AttentionCall::use_key_lengths(const at::Tensor& mask) {
   for (int64_t d = 1; d < mask.dim() - 1; ++d) {
     if (mask.size(d) != 1) return false;
   }
-  // Read in place, row by row, up to the first true after a false. (As
-  // ATen ops, a sum, an arange, a compare and an equal, the test cost a
-  // decoding step from cold caches ~130 us, 10% of one query over 4096
-  // keys on Zen 4, also where it failed, as for a left-padded batch.)
+  // Read in place, row by row, up to the first true after the run. (As
+  // ATen ops, a sum, an arange, a compare and an equal, a suffix test cost
+  // a decoding step from cold caches ~130 us, 10% of one query over 4096
+  // keys on Zen 4, also where it failed.)
   // (Its bytes, nonzero = true, as the kernels read them.)
   const uint8_t* data = static_cast<const uint8_t*>(mask.const_data_ptr());
-  const int64_t batch_stride = mask.stride(0), key_stride = mask.stride(-1);
-  c10::SmallVector<int64_t, 16> found(batch);
+  const int64_t batch_stride = mask.stride(0), key_stride = mask.stride(-1), len = inputs_.len_kv;
+  c10::SmallVector<int64_t, 32> spans(2 * batch);
   for (int64_t b = 0; b < batch; ++b) {
     const uint8_t* row = data + b * batch_stride;
     int64_t j = 0;
-    while (j < inputs_.len_kv && row[j * key_stride]) ++j;
-    found[b] = j;
-    for (; j < inputs_.len_kv; ++j) {
+    while (j < len && !row[j * key_stride]) ++j;
+    const int64_t begin = j;
+    while (j < len && row[j * key_stride]) ++j;
+    // (A row of falses: the empty span [0, 0), as a suffix of length 0.)
+    spans[2 * b] = j > begin ? begin : 0;
+    spans[2 * b + 1] = j > begin ? j : 0;
+    for (; j < len; ++j) {
       if (row[j * key_stride]) return false;
     }
   }
-  at::Tensor lengths = at::empty({batch}, mask.options().dtype(at::kLong));
-  std::copy(found.begin(), found.end(), lengths.mutable_data_ptr<int64_t>());
-  kept_.push_back(lengths);
-  inputs_.key_lengths = kept_.back().const_data_ptr<int64_t>();
-  inputs_.key_lengths_group = inputs_.num_outer / batch;  // outer indices per batch index
+  at::Tensor kept = at::empty({2 * batch}, mask.options().dtype(at::kLong));
+  std::copy(spans.begin(), spans.end(), kept.mutable_data_ptr<int64_t>());
+  kept_.push_back(kept);
+  inputs_.key_spans = kept_.back().const_data_ptr<int64_t>();
+  inputs_.key_spans_group = inputs_.num_outer / batch;  // outer indices per batch index
   return true;
 }
 

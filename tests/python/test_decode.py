@@ -13,6 +13,7 @@ CASES = {
     "plain": dict(),
     "causal_bottom_right": dict(is_causal=True, bottom_right=True),
     "padding_mask": dict(mask="padding"),
+    "span_mask": dict(mask="span"),  # (left padding and a suffix: a key span per batch index)
     "float_mask_row": dict(mask="float_row"),
     "softcap": dict(softcap=2.0),
     "per_head_mask": dict(mask="per_head"),  # (each head's mask row a row of the tile)
@@ -86,6 +87,10 @@ def test_decode_matches_float64(device, name, layout, kv_heads, kv_layout, S):
     mask = kw.pop("mask", None)
     if mask == "padding":
         mask = torch.arange(S, device=device)[None, None, None, :] < torch.tensor([S, S // 3], device=device)[:, None, None, None]
+    elif mask == "span":
+        keys = torch.arange(S, device=device)[None, None, None, :]
+        begin, end = (torch.tensor(t, device=device)[:, None, None, None] for t in ([S // 4, 0], [S, S // 2]))
+        mask = (keys >= begin) & (keys < end)
     elif mask == "float_row":
         mask = torch.randn(S, **opts)
     elif mask == "per_head":
@@ -144,11 +149,13 @@ def test_split_decoding_keeps_a_nan_in_its_head():
 @pytest.mark.parametrize("threads", [1, 3, 16])
 @pytest.mark.parametrize("S", [300, 2500])
 @pytest.mark.parametrize("kv_layout", ["bhse", "bshe"])
-@pytest.mark.parametrize("name", ["plain", "sinks", "per_head_mask"])
+@pytest.mark.parametrize("name", ["plain", "sinks", "per_head_mask", "span_mask", "window"])
 def test_decode_work_split_at_thread_counts(name, kv_layout, S, threads):
     """How decoding shares its work (heads per item, key chunks) depends on the thread count;
     every split must give the reference's result. Sinks and per-head masks keep the query
-    heads apart, so an item must hold all the query heads of each K/V head it reads."""
+    heads apart, so an item must hold all the query heads of each K/V head it reads. A key
+    span (left padding and a suffix) and a sliding window are chunked as the keys they see,
+    not as all the keys."""
     B, H, Hkv, E = 1, 16, 4, 16
     q = torch.randn(B, H, 1, E, dtype=torch.float64)
     if kv_layout == "bhse":
@@ -160,8 +167,14 @@ def test_decode_work_split_at_thread_counts(name, kv_layout, S, threads):
         kw["sinks"] = torch.randn(H, dtype=torch.float64)
     elif name == "per_head_mask":
         mask = torch.rand(B, H, 1, S) > 0.3
-    out, lse = forward_at_threads(threads, q, k, v, mask, False, **kw)
-    ref, ref_lse, _ = reference_variants(q, k, v, mask, False, enable_gqa=True, **kw)
+    elif name == "span_mask":
+        keys = torch.arange(S)
+        mask = ((keys >= S // 3 + 5) & (keys < S - 40)).view(1, 1, 1, S)
+    elif name == "window":
+        kw = dict(window_left=S // 4, bottom_right=True)
+    is_causal = name == "window"
+    out, lse = forward_at_threads(threads, q, k, v, mask, is_causal, **kw)
+    ref, ref_lse, _ = reference_variants(q, k, v, mask, is_causal, enable_gqa=True, **kw)
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(lse, ref_lse)
 
@@ -268,6 +281,7 @@ MERGED = {
     "window": dict(is_causal=True, bottom_right=True, window_left=5),
     "sinks": dict(sinks=True),
     "padding_mask": dict(mask="padding"),
+    "span_mask": dict(mask="span"),  # (left padding and a suffix: a key span per batch index)
     "window_two_sided": dict(window_left=7, window_right=3, bottom_right=True),
     "window_top_left": dict(is_causal=True, window_left=5),
     "sinks_window": dict(sinks=True, is_causal=True, bottom_right=True, window_left=9),
@@ -388,13 +402,16 @@ def test_decoding_with_per_head_masks_matches_float64(heads, kind, shape, thread
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_decoding_with_half_precision_per_head_masks_and_left_padding(dtype):
     """One query per head over 700 keys in half precision: a per-head mask of the inputs'
-    dtype (its rows widened a vector at a time), and a left-padded bool mask (falses first:
-    not a key length, the general path), against float64 on the same rounded inputs."""
+    dtype (its rows widened a vector at a time), a left-padded bool mask (falses first: a key
+    span), and the same with a hole (not a span: the general path), against float64 on the
+    same rounded inputs."""
     B, H, Hkv, E, S = 2, 8, 2, 32, 700
     q = torch.randn(B, H, 1, E).to(dtype)
     k, v = (torch.randn(B, Hkv, S, E).to(dtype) for _ in range(2))
     left_padded = torch.arange(S)[None, None, None, :] >= torch.tensor([100, 0])[:, None, None, None]
-    for mask in (torch.randn(B, H, 1, S).to(dtype), left_padded):
+    with_a_hole = left_padded.clone()
+    with_a_hole[1, ..., 350] = False
+    for mask in (torch.randn(B, H, 1, S).to(dtype), left_padded, with_a_hole):
         out = fusedmha.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         ref, _, _ = reference_variants(q.double(), k.double(), v.double(),
                                        mask if mask.dtype == torch.bool else mask.double(),

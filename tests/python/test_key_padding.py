@@ -1,7 +1,8 @@
-"""A bool mask that pads a suffix of the keys per batch index is recognised on the CPU and
-its padded keys are skipped, never read: results, weights and gradients must be those of the
-float64 reference, for suffix masks (empty and full rows too) and for masks that only look
-like them (holes, per-head or per-row differences), which keep the general path."""
+"""A bool mask that only pads the keys per batch index (each row one run of trues: left
+padding, a suffix, or both) is recognised on the CPU as key spans, and its padded keys are
+skipped, never read: results, weights and gradients must be those of the float64 reference,
+for such masks (empty and full rows too) and for masks that only look like them (holes, two
+runs, per-head or per-row differences), which keep the general path."""
 
 import pytest
 import torch
@@ -15,13 +16,24 @@ def suffix_mask(lengths, S, shape):
     return keep.view(shape)
 
 
-@pytest.mark.parametrize("lengths", [[37, 20, 1], [0, 37, 12], [37, 37, 37]])
+def span_mask(spans, S, shape):
+    """Row b true at keys [begin, end) of spans[b] = (begin, end)."""
+    keys = torch.arange(S)[None, :]
+    begin, end = (torch.tensor(t)[:, None] for t in zip(*spans))
+    return ((keys >= begin) & (keys < end)).view(shape)
+
+
+# Suffixes (lengths 37, 20, 1, 0), left padding (from 5, 36, 32), both (3 to 20, 17 to 18),
+# and rows of falses: spans that start and end inside a key block, on its edges, or at its ends.
+@pytest.mark.parametrize("spans", [[(0, 37), (0, 20), (0, 1)], [(0, 0), (0, 37), (0, 12)],
+                                   [(0, 37)] * 3, [(5, 37), (36, 37), (32, 37)],
+                                   [(3, 20), (0, 0), (17, 18)]])
 @pytest.mark.parametrize("kw", [dict(), dict(is_causal=True, bottom_right=True), dict(softcap=2.0),
                                 dict(sinks=True), dict(dropout=True)])
-def test_suffix_padding_matches_float64(lengths, kw):
+def test_key_spans_match_float64(spans, kw):
     B, H, L, S, E = 3, 4, 9, 37, 16
     q, k, v = (torch.randn(B, H, n, E, dtype=torch.float64, requires_grad=True) for n in (L, S, S))
-    mask = suffix_mask(lengths, S, (B, 1, 1, S))
+    mask = span_mask(spans, S, (B, 1, 1, S))
     kw = dict(kw)
     is_causal = kw.pop("is_causal", False)
     if kw.pop("sinks", False):
@@ -54,9 +66,35 @@ def test_suffix_padding_read_through_strides():
     torch.testing.assert_close(out, ref)
 
 
-@pytest.mark.parametrize("mask_kind", ["hole", "hole_in_the_last_row", "left_padding", "per_head",
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("L", [1, 70])
+def test_keys_outside_a_span_are_never_used(L, threads):
+    """Left padding, a suffix or both are skipped, not computed: keys outside a row's span may
+    hold NaN (an uninitialised static cache's slots) and the output stays that of the keys in
+    the span, in prefill and in decoding (grouped heads packed as rows, keys split across
+    threads). A span's first and last key blocks are read and their outside scores set to
+    -inf before the softmax, so NaN keys there leave no trace either. (The general mask path
+    adds -inf to a NaN score: NaN. So this fails wherever a span is not recognised.)"""
+    B, H, Hkv, S, E = 3, 8, 2, 700, 16
+    q = torch.randn(B, H, L, E)
+    k, v = (torch.randn(B, Hkv, S, E) for _ in range(2))
+    spans = [(100, 700), (0, 650), (33, 401)]
+    mask = span_mask(spans, S, (B, 1, 1, S))
+    nan_keys = k.clone()
+    nan_keys.masked_fill_(~mask.view(B, 1, S, 1), float("nan"))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = fusedmha.scaled_dot_product_attention(q, nan_keys, v, attn_mask=mask, enable_gqa=True)
+    finally:
+        torch.set_num_threads(before)
+    ref, _, _ = reference_variants(q.double(), k.double(), v.double(), mask, enable_gqa=True)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("mask_kind", ["hole", "hole_in_the_last_row", "two_runs", "per_head",
                                        "per_row"])
-def test_masks_that_are_not_suffix_padding(mask_kind):
+def test_masks_that_are_not_key_spans(mask_kind):
     B, H, L, S, E = 2, 3, 5, 20, 8
     q, k, v = (torch.randn(B, H, n, E, dtype=torch.float64) for n in (L, S, S))
     mask = suffix_mask([14, 20], S, (B, 1, 1, S))
@@ -66,8 +104,9 @@ def test_masks_that_are_not_suffix_padding(mask_kind):
     elif mask_kind == "hole_in_the_last_row":
         mask = mask.clone()
         mask[1, ..., 12] = False
-    elif mask_kind == "left_padding":
-        mask = mask.flip(-1)
+    elif mask_kind == "two_runs":
+        mask = mask.flip(-1).clone()  # (left padding, then a hole)
+        mask[0, ..., 15] = False
     elif mask_kind == "per_head":
         mask = mask.expand(B, H, 1, S).clone()
         mask[1, 2, 0, 7:] = False
