@@ -2,6 +2,7 @@
 
 #include "ops/attention_checks.h"
 #include "ops/attention_shapes.h"
+#include "ops/mask_structure.h"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -119,7 +120,8 @@ AttentionCall::AttentionCall(const char* op, const at::Tensor& query, const at::
   p.q = describe_in_layout(query, true);
   p.k = describe_in_layout(key, false);
   p.v = describe_in_layout(value, false);
-  if (attn_mask.has_value() && !use_key_spans(*attn_mask)) {
+  set_variants(is_causal, scale, variants);
+  if (attn_mask.has_value() && !use_mask_structure(*attn_mask)) {
     // (Packed heads with a mask per head: each head's mask row is a row of
     // the item's tile, as the queries are. On Zen 4, one query per head over
     // S=4096 with a (B, H, 1, S) float mask, caches flushed: 2x faster than
@@ -128,7 +130,6 @@ AttentionCall::AttentionCall(const char* op, const at::Tensor& query, const at::
     p.mask = group_ > 1 && per_head ? describe_packed(*attn_mask) : describe(*attn_mask);
     p.mask_kind = mask_kind_of(*attn_mask, query);
   }
-  set_variants(is_causal, scale, variants);
   if (group_ > 1) p.window_right = -1;  // (one bottom-right query row: it hides nothing)
 }
 
@@ -211,43 +212,23 @@ void AttentionCall::set_variants(bool is_causal, std::optional<double> scale,
   if (variants.sinks.has_value()) p.sinks = describe_per_head(*variants.sinks);
 }
 
-bool AttentionCall::use_key_spans(const at::Tensor& mask) {
-  // A key padding mask: bool, on the CPU (reading it costs no device sync),
-  // one row per batch index (size 1 in every other dim), and each row one
-  // run of trues (falses before it: left padding; after it: a suffix).
-  if (mask.scalar_type() != at::kBool || !mask.is_cpu() || outer_shape_.size() < 2) return false;
-  const int64_t n = static_cast<int64_t>(outer_shape_.size()), batch = outer_shape_[0];
-  if (batch == 0) return false;  // (an empty batch: nothing to read, and no group to divide by)
-  if (mask.dim() != n + 2 || mask.size(0) != batch || mask.size(-1) != inputs_.len_kv) return false;
-  for (int64_t d = 1; d < mask.dim() - 1; ++d) {
-    if (mask.size(d) != 1) return false;
-  }
-  // Read in place, row by row, up to the first true after the run. (As
-  // ATen ops, a sum, an arange, a compare and an equal, a suffix test cost
-  // a decoding step from cold caches ~130 us, 10% of one query over 4096
-  // keys on Zen 4, also where it failed.)
-  // (Its bytes, nonzero = true, as the kernels read them.)
-  const uint8_t* data = static_cast<const uint8_t*>(mask.const_data_ptr());
-  const int64_t batch_stride = mask.stride(0), key_stride = mask.stride(-1), len = inputs_.len_kv;
-  c10::SmallVector<int64_t, 32> spans(2 * batch);
-  for (int64_t b = 0; b < batch; ++b) {
-    const uint8_t* row = data + b * batch_stride;
-    int64_t j = 0;
-    while (j < len && !row[j * key_stride]) ++j;
-    const int64_t begin = j;
-    while (j < len && row[j * key_stride]) ++j;
-    // (A row of falses: the empty span [0, 0), as a suffix of length 0.)
-    spans[2 * b] = j > begin ? begin : 0;
-    spans[2 * b + 1] = j > begin ? j : 0;
-    for (; j < len; ++j) {
-      if (row[j * key_stride]) return false;
-    }
-  }
-  at::Tensor kept = at::empty({2 * batch}, mask.options().dtype(at::kLong));
-  std::copy(spans.begin(), spans.end(), kept.mutable_data_ptr<int64_t>());
-  kept_.push_back(kept);
-  inputs_.key_spans = kept_.back().const_data_ptr<int64_t>();
-  inputs_.key_spans_group = inputs_.num_outer / batch;  // outer indices per batch index
+bool AttentionCall::use_mask_structure(const at::Tensor& mask) {
+  AttentionParams& p = inputs_;
+  // A band from the mask only where the call has none, and nothing else
+  // reads the diagonal (ALiBi's distances); packed heads are one query row.
+  const bool with_band = !has_band(p) && !p.alibi_slopes.data && group_ == 1;
+  const std::optional<MaskStructure> s =
+      find_mask_structure(mask, outer_shape_, p.len_q, p.len_kv, with_band);
+  if (!s) return false;
+  const int64_t batches = static_cast<int64_t>(s->spans.size()) / 2;
+  at::Tensor spans = at::empty({2 * batches}, mask.options().dtype(at::kLong));
+  std::copy(s->spans.begin(), s->spans.end(), spans.mutable_data_ptr<int64_t>());
+  kept_.push_back(spans);
+  p.key_spans = kept_.back().const_data_ptr<int64_t>();
+  // (Outer indices per batch index; one span: every outer index's.)
+  p.key_spans_group = std::max<int64_t>(p.num_outer / batches, 1);
+  if (s->diagonal) p.diagonal_offset = *s->diagonal, p.window_right = 0;
+  if (s->window_left) p.window_left = *s->window_left;
   return true;
 }
 

@@ -139,11 +139,12 @@ class AttentionCall {
   // The log-sum-exp (..., H, L), or (H, total_q) for a packed batch, and
   // tensors laid out like it (contiguous, so rows are adjacent).
   Matrix describe_lse(const at::Tensor& lse);
-  // A bool mask that only pads the keys per batch index (each row one run
-  // of trues: left padding, a suffix, or both), as key spans (CPU): the
-  // kernels then skip the padded keys instead of reading the mask. False
-  // (and nothing set) for any other mask.
-  bool use_key_spans(const at::Tensor& mask);
+  // A mask that only pads the keys per batch index (left padding, a
+  // suffix, or both) and may hide a causal band or sliding window
+  // (find_mask_structure), as key spans and the band (CPU): the kernels then
+  // skip the hidden keys instead of reading the mask. False (and nothing
+  // set) for any other mask.
+  bool use_mask_structure(const at::Tensor& mask);
   // A per-head tensor (alibi_slopes, sinks) as one float64 per outer index.
   Matrix describe_per_head(const at::Tensor& t);
   // t (..., H, 1, cols) described as the kernels see it: (..., H_kv, G,

@@ -1,0 +1,198 @@
+#include "ops/mask_structure.h"
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+namespace fusedmha::ops {
+namespace {
+
+// An element as 1 (may attend), 0 (hidden) or -1 (neither: any other value
+// of a float mask, which adds it to the score).
+template <typename T>
+int truth(T x) {
+  if constexpr (std::is_same_v<T, uint8_t>) {
+    return x != 0;  // (a bool's bytes, nonzero = true, as the kernels read them)
+  } else {
+    const auto f = static_cast<std::conditional_t<std::is_same_v<T, double>, double, float>>(x);
+    return f == 0 ? 1 : (std::isinf(f) && f < 0 ? 0 : -1);
+  }
+}
+
+// The 8-byte word of x repeated (sizeof(T) divides 8).
+template <typename T>
+uint64_t repeated(T x) {
+  uint64_t word = 0;
+  for (size_t i = 0; i < sizeof(word) / sizeof(T); ++i) {
+    std::memcpy(reinterpret_cast<char*>(&word) + i * sizeof(T), &x, sizeof(T));
+  }
+  return word;
+}
+
+// j moved past the elements from j on that equal `word`'s, a word at a time
+// where the row is contiguous (elsewhere not at all): the element-wise loops
+// then take the rest. (A causal (B, 1, L, S) bool mask at L = S = 4096,
+// B = 4, scanned element by element, cost 3-4% of the call where it turned
+// out not to be a band.)
+template <typename T>
+int64_t skip_words(const T* row, int64_t stride, int64_t j, int64_t len, uint64_t word) {
+  constexpr int64_t per_word = sizeof(word) / sizeof(T);
+  if (stride != 1) return j;
+  for (uint64_t w; j + per_word <= len; j += per_word) {
+    std::memcpy(&w, row + j, sizeof(w));
+    if (w != word) break;
+  }
+  return j;
+}
+
+// Keys [begin, end) that a row sees; [0, 0) for none.
+struct Run {
+  int64_t begin = 0, end = 0;
+  bool empty() const { return begin == end; }
+};
+
+// The one run of trues in row (len elements, stride apart), or false where
+// it has two, or a value that is neither true nor false.
+template <typename T>
+bool run_of_trues(const T* row, int64_t stride, int64_t len, Run& run) {
+  // (A bool's true is byte 1, a float mask's 0; false is 0 and -inf.)
+  uint64_t falses = 0, trues = 0;
+  if constexpr (std::is_same_v<T, uint8_t>) {
+    trues = repeated(T(1));
+  } else {
+    falses = repeated(T(-std::numeric_limits<float>::infinity()));
+  }
+  int64_t j = skip_words(row, stride, 0, len, falses);
+  int t = 0;
+  while (j < len && (t = truth(row[j * stride])) == 0) ++j;
+  if (t < 0) return false;
+  const int64_t begin = j;
+  j = skip_words(row, stride, j, len, trues);
+  while (j < len && (t = truth(row[j * stride])) == 1) ++j;
+  if (t < 0) return false;
+  run = j > begin ? Run{begin, j} : Run{};
+  for (j = skip_words(row, stride, j, len, falses); j < len; ++j) {
+    if (truth(row[j * stride]) != 0) return false;
+  }
+  return true;
+}
+
+// The runs of rows × batches rows (batch b's row i at runs[b·rows + i]),
+// rows row_stride and batches batch_stride elements apart; false where a
+// row is not one run.
+template <typename T>
+bool runs_of(const at::Tensor& mask, int64_t batches, int64_t batch_stride, int64_t rows,
+             int64_t row_stride, std::vector<Run>& runs) {
+  const T* data = static_cast<const T*>(mask.const_data_ptr());
+  const int64_t len = mask.size(-1), key_stride = mask.stride(-1);
+  runs.resize(batches * rows);
+  for (int64_t b = 0; b < batches; ++b) {
+    for (int64_t i = 0; i < rows; ++i) {
+      const T* row = data + b * batch_stride + i * row_stride;
+      if (!run_of_trues(row, key_stride, len, runs[b * rows + i])) return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+std::optional<MaskStructure> find_mask_structure(const at::Tensor& mask,
+                                                 c10::IntArrayRef outer_shape, int64_t len_q,
+                                                 int64_t len_kv, bool with_band) {
+  const int64_t n = static_cast<int64_t>(outer_shape.size()), dims = mask.dim();
+  if (!mask.is_cpu() || n == 0 || outer_shape[0] == 0 || dims < 1 || dims > n + 2) {
+    return std::nullopt;  // (reading a device's mask would sync; an empty batch has no rows)
+  }
+  if (mask.size(-1) != len_kv || len_kv == 0) return std::nullopt;
+  // Only the batch dim may tell outer indices apart (and only beside a head
+  // dim: with one outer dim it may be the heads of a 3-d call). Dims of
+  // stride 0 (expanded) tell nothing apart.
+  int64_t batches = 1, batch_stride = 0;
+  for (int64_t d = 0; d < dims - 2; ++d) {
+    if (mask.size(d) == 1 || mask.stride(d) == 0) continue;
+    if (d != dims - 2 - n || n < 2) return std::nullopt;  // (d aligned with outer dim 0)
+    batches = mask.size(d), batch_stride = mask.stride(d);
+  }
+  const int64_t rows = dims >= 2 && mask.stride(-2) != 0 ? mask.size(-2) : 1;
+  if (rows != 1 && rows != len_q) return std::nullopt;
+  const int64_t row_stride = rows > 1 ? mask.stride(-2) : 0;
+
+  std::vector<Run> runs;
+  bool one_run_per_row = false;
+  switch (mask.scalar_type()) {
+    case at::kBool:
+      one_run_per_row = runs_of<uint8_t>(mask, batches, batch_stride, rows, row_stride, runs);
+      break;
+    case at::kFloat:
+      one_run_per_row = runs_of<float>(mask, batches, batch_stride, rows, row_stride, runs);
+      break;
+    case at::kDouble:
+      one_run_per_row = runs_of<double>(mask, batches, batch_stride, rows, row_stride, runs);
+      break;
+    case at::kHalf:
+      one_run_per_row = runs_of<c10::Half>(mask, batches, batch_stride, rows, row_stride, runs);
+      break;
+    case at::kBFloat16:
+      one_run_per_row = runs_of<c10::BFloat16>(mask, batches, batch_stride, rows, row_stride, runs);
+      break;
+    default:
+      return std::nullopt;
+  }
+  if (!one_run_per_row) return std::nullopt;
+
+  // Each batch index's span: from its first row that sees a key to its last
+  // (rows' runs only move right as i grows, in a band).
+  MaskStructure s;
+  s.spans.resize(2 * batches);
+  for (int64_t b = 0; b < batches; ++b) {
+    const Run* r = runs.data() + b * rows;
+    int64_t first = 0, last = rows - 1;
+    while (first < rows && r[first].empty()) ++first;
+    while (last > first && r[last].empty()) --last;
+    if (first == rows) continue;  // (sees no key: [0, 0))
+    s.spans[2 * b] = r[first].begin;
+    s.spans[2 * b + 1] = r[last].end;
+  }
+  auto span = [&](int64_t b) { return Run{s.spans[2 * b], s.spans[2 * b + 1]}; };
+  // The diagonal, from a row that ends before its span does; then the
+  // window, from a row that begins after it.
+  for (int64_t b = 0; b < batches && !s.diagonal; ++b) {
+    for (int64_t i = 0; i < rows; ++i) {
+      const Run r = runs[b * rows + i];
+      if (!r.empty() && r.end < span(b).end) {
+        s.diagonal = r.end - 1 - i;
+        break;
+      }
+    }
+  }
+  for (int64_t b = 0; s.diagonal && b < batches && !s.window_left; ++b) {
+    for (int64_t i = 0; i < rows; ++i) {
+      const Run r = runs[b * rows + i];
+      if (!r.empty() && r.begin > span(b).begin) {
+        s.window_left = i + *s.diagonal - r.begin;
+        if (*s.window_left < 0) return std::nullopt;
+        break;
+      }
+    }
+  }
+  if (s.diagonal && !with_band) return std::nullopt;
+  // Every row what the span and the band make of it.
+  for (int64_t b = 0; b < batches; ++b) {
+    for (int64_t i = 0; i < rows; ++i) {
+      Run want = span(b);
+      if (s.window_left) want.begin = std::max(want.begin, i + *s.diagonal - *s.window_left);
+      if (s.diagonal) want.end = std::min(want.end, i + *s.diagonal + 1);
+      if (want.begin >= want.end) want = Run{};
+      const Run got = runs[b * rows + i];
+      if (got.begin != want.begin || got.end != want.end) return std::nullopt;
+    }
+  }
+  return s;
+}
+
+}  // namespace fusedmha::ops

@@ -1,0 +1,46 @@
+#pragma once
+
+// What an explicit mask says, when it says no more than the kernels can
+// without reading it: key padding per batch index (left, right, or both) and
+// a band (causal, sliding window). Such masks are common: transformers
+// passes its causal mask with padding as a bool (B, 1, L, S), and
+// nn.Transformer's square subsequent mask is a float (L, S) of 0 and -inf.
+// Read as a band and key spans, their hidden key blocks are skipped (half of
+// a causal call's) instead of computed and masked.
+
+#include <ATen/core/Tensor.h>
+
+#include <c10/util/ArrayRef.h>
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+namespace fusedmha::ops {
+
+// Row i of batch index b sees keys [max(begin_b, i + diagonal − window_left),
+// min(end_b, i + diagonal + 1)): the bounds that involve diagonal or
+// window_left only where they are set.
+struct MaskStructure {
+  // (begin_b, end_b) per batch index, or one pair that every batch index
+  // shares (a mask without a batch dim). Empty rows are [0, 0).
+  std::vector<int64_t> spans;
+  // Set: causal, query i sees no key right of i + diagonal.
+  std::optional<int64_t> diagonal;
+  // Set (only with diagonal): a sliding window, query i sees no key left of
+  // i + diagonal − window_left.
+  std::optional<int64_t> window_left;
+};
+
+// The structure of mask (CPU; bool, true = may attend, or floating point of
+// 0 and −inf only) for an attention call of the given outer shape (batch
+// first, then heads and others), len_q queries and len_kv keys, read in
+// place through its strides; nullopt where it is not of that form, or varies
+// over any outer dim but the first, or has an empty batch. with_band false:
+// key spans only (a band would change something else, such as ALiBi's
+// distances, or the call has a band already).
+std::optional<MaskStructure> find_mask_structure(const at::Tensor& mask,
+                                                 c10::IntArrayRef outer_shape, int64_t len_q,
+                                                 int64_t len_kv, bool with_band);
+
+}  // namespace fusedmha::ops

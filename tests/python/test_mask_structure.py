@@ -1,0 +1,176 @@
+"""Masks that say no more than a band and key padding (a causal mask passed explicitly, with
+left or right padding, a static cache's unused slots, a sliding window) are read on the CPU as
+the band and per-batch key spans, and the hidden key blocks are skipped: results, log-sum-exp,
+weights and gradients must be those of the float64 reference with the mask as given, and masks
+that only look like them (one element off, other float values, per-head rows) keep the
+general path, with the same results."""
+
+import pytest
+import torch
+
+import fusedmha
+from reference import assert_same_gradients, kernel_keep_mask, reference_variants
+
+B, H, E = 3, 4, 16
+
+
+def band_mask(L, S, diagonal=0, window_left=None, begins=(0,), ends=None):
+    """(len(begins), 1, L, S) bool: row i of batch b sees keys [max(begins[b], i + diagonal −
+    window_left), min(ends[b], i + diagonal + 1))."""
+    ends = ends or (S,) * len(begins)
+    i = torch.arange(L)[:, None]
+    j = torch.arange(S)[None, :]
+    rows = []
+    for begin, end in zip(begins, ends):
+        keep = (j >= begin) & (j < end) & (j <= i + diagonal)
+        if window_left is not None:
+            keep &= j >= i + diagonal - window_left
+        rows.append(keep)
+    return torch.stack(rows)[:, None]
+
+
+def as_float(mask, dtype=torch.float64):
+    return torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, float("-inf"))
+
+
+# transformers' masks (bool, (B, 1, L, S)): causal prefill with left and right padding (the
+# left-padded rows of the first queries see nothing), a static cache's unused slots (S > L),
+# chunked prefill after a cache (bottom-right), a sliding window with padding; and the
+# (L, S) masks people pass themselves: torch.tril, nn.Transformer's float square mask.
+CASES = {
+    "causal_left_padding": lambda L, S: band_mask(L, S, begins=(0, 5, 29), ends=(S, S, S)),
+    "causal_right_padding": lambda L, S: (band_mask(L, S, begins=(0, 0, 0))
+                                          & (torch.arange(S) < torch.tensor([S, 20, 9])[:, None, None, None])),
+    "static_cache": lambda L, S: band_mask(L, S, begins=(0, 4, 11), ends=(L, L, L)),
+    "chunked_prefill": lambda L, S: band_mask(L, S, diagonal=S - L, begins=(0, 6, 2)),
+    "sliding_window": lambda L, S: band_mask(L, S, diagonal=S - L, window_left=7, begins=(0, 3, 20)),
+    "tril": lambda L, S: torch.ones(L, S, dtype=torch.bool).tril(),
+    "square_subsequent": lambda L, S: torch.nn.Transformer.generate_square_subsequent_mask(
+        L, dtype=torch.float64)[:, :S] if L == S else as_float(torch.ones(L, S, dtype=torch.bool).tril()),
+}
+
+
+def check(q, k, v, mask, **kw):
+    """Forward (output, log-sum-exp), weights and gradients of the op with mask against the
+    float64 reference."""
+    kw = dict(kw)
+    p = kw.pop("dropout_p", 0.0)
+    out, lse, rng = torch.ops.fusedmha.attention_forward(q, k, v, mask, p, False, **kw)
+    keep = kernel_keep_mask(rng, q, k, p) if p > 0 else None
+    ref, ref_lse, probs = reference_variants(q, k, v, mask, keep=keep, dropout_p=p, **kw)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(lse, ref_lse)
+    inputs = [q, k, v] + ([kw["sinks"]] if "sinks" in kw else [])
+    assert_same_gradients(out, ref, inputs)
+    weights = torch.ops.fusedmha.attention_weights(q, k, lse, rng, mask, p, False, None, False,
+                                                   True, **kw)
+    want = probs if keep is None else probs * keep / (1 - p)
+    torch.testing.assert_close(weights, want.mean(-3))
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(softcap=2.0), dict(sinks=True), dict(dropout_p=0.3),
+                                dict(alibi=True)])
+@pytest.mark.parametrize("L, S", [(37, 37), (37, 50), (70, 130)])
+@pytest.mark.parametrize("name", list(CASES))
+def test_band_masks_match_float64(name, L, S, kw):
+    q, k, v = (torch.randn(B, H, n, E, dtype=torch.float64, requires_grad=True) for n in (L, S, S))
+    mask = CASES[name](L, S)
+    kw = dict(kw)
+    if kw.pop("sinks", False):
+        kw["sinks"] = torch.randn(H, dtype=torch.float64, requires_grad=True)
+    if kw.pop("alibi", False):  # (ALiBi reads the diagonal: the mask's band is not taken)
+        kw["alibi_slopes"] = torch.rand(H, dtype=torch.float64)
+    check(q, k, v, mask, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["causal_left_padding", "square_subsequent"])
+def test_band_masks_in_every_dtype(name, dtype):
+    """Bool masks, and float masks of the inputs' dtype (0 and -inf in any float type)."""
+    L = S = 70
+    q, k, v = (torch.randn(B, H, n, E).to(dtype) for n in (L, S, S))
+    mask = CASES[name](L, S)
+    if mask.dtype != torch.bool:
+        mask = mask.to(dtype)
+    out = fusedmha.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    ref, _, _ = reference_variants(q, k, v, mask)
+    tol = dict(rtol=2e-5, atol=2e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out.double(), ref, **tol)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("heads", [1, H])
+@pytest.mark.parametrize("name", ["causal_left_padding", "static_cache", "tril"])
+def test_keys_no_row_sees_are_never_used(name, heads, threads):
+    """The skip itself: keys that no query of a batch index sees (left padding, a static
+    cache's slots past the last query) may hold NaN, and the output stays finite and that of
+    the reference; also with the mask expanded over the batch and the heads (stride 0).
+    (The general mask path adds -inf to a NaN score: NaN. So this fails wherever
+    the mask's structure is not recognised.)"""
+    L, S = 150, 300
+    q = torch.randn(B, H, L, E)
+    k, v = (torch.randn(B, H, S, E) for _ in range(2))
+    mask = CASES[name](L, S).expand(B, heads, L, S)
+    unseen = ~mask[:, :1].any(dim=-2, keepdim=True)  # (B, 1, 1, S)
+    assert unseen.any()
+    nan_keys = k.masked_fill(unseen.transpose(-1, -2), float("nan"))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = fusedmha.scaled_dot_product_attention(q, nan_keys, v, attn_mask=mask)
+    finally:
+        torch.set_num_threads(before)
+    ref, _, _ = reference_variants(q, k, v, mask)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=2e-6)
+
+
+def near_misses(L, S):
+    base = CASES["causal_left_padding"](L, S)
+    one_off_left = base.clone()
+    one_off_left[1, 0, 40, 4] = True  # (row 40 of batch 1 begins one key early)
+    one_off_right = base.clone()
+    one_off_right[2, 0, 60, 61] = True  # (one key right of the diagonal)
+    hole = base.clone()
+    hole[0, 0, 50, 25] = False
+    per_head = base.expand(B, H, L, S).clone()
+    per_head[1, 2, 66, :] = False
+    other_values = as_float(base)
+    other_values[0, 0, 3, 2] = -1e9  # (a large negative, not -inf)
+    wrong_diagonal = base.clone()
+    wrong_diagonal[2, 0, 45, 45] = False  # (one row ends one key early)
+    return dict(one_off_left=one_off_left, one_off_right=one_off_right, hole=hole,
+                per_head=per_head, other_values=other_values, wrong_diagonal=wrong_diagonal)
+
+
+@pytest.mark.parametrize("name", list(near_misses(70, 70)))
+def test_masks_that_only_look_like_bands(name):
+    L = S = 70
+    q, k, v = (torch.randn(B, H, n, E, dtype=torch.float64, requires_grad=True) for n in (L, S, S))
+    check(q, k, v, near_misses(L, S)[name])
+
+
+def test_band_mask_with_a_band_of_its_own():
+    """A causal mask on a call that has a band already (a sliding window): the call's band
+    stays, and the mask is read (its band would replace the call's)."""
+    L = S = 70
+    q, k, v = (torch.randn(B, H, n, E, dtype=torch.float64, requires_grad=True) for n in (L, S, S))
+    mask = CASES["causal_left_padding"](L, S)
+    check(q, k, v, mask, window_left=10, window_right=3)
+
+
+def test_multihead_attention_with_a_causal_mask_and_padding_matches_pytorch():
+    """nn.MultiheadAttention's causal attn_mask with a key_padding_mask (bool, True = hidden):
+    the module's merged mask is a band and key spans. And both float (0 and -inf), as
+    generate_square_subsequent_mask makes them."""
+    torch.manual_seed(0)
+    ref = torch.nn.MultiheadAttention(32, 4, batch_first=True, dtype=torch.float64)
+    mod = fusedmha.MultiheadAttention(32, 4, batch_first=True, dtype=torch.float64)
+    mod.load_state_dict(ref.state_dict())
+    x = torch.randn(3, 11, 32, dtype=torch.float64)
+    causal = torch.ones(11, 11, dtype=torch.bool).triu(1)
+    padding = torch.arange(11)[None, :] >= torch.tensor([11, 7, 9])[:, None]  # True = padded
+    for attn_mask, key_padding_mask in ((causal, padding), (as_float(~causal), as_float(~padding))):
+        out, w = mod(x, x, x, attn_mask=attn_mask, key_padding_mask=key_padding_mask)
+        ref_out, ref_w = ref(x, x, x, attn_mask=attn_mask, key_padding_mask=key_padding_mask)
+        torch.testing.assert_close(out, ref_out)
+        torch.testing.assert_close(w, ref_w)
