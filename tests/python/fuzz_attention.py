@@ -258,10 +258,45 @@ def draw_sizes(rng, max_work=400_000):
             return batch, h, h_kv, L, S, E, Ev
 
 
+def draw_band_mask(rng, outer, L, S, dtype):
+    """A mask that is a causal band (or a sliding window) with per-batch key spans, bool or 0
+    and -inf (the CPU host reads it as the band and spans), one element of it flipped now and
+    then (then it is not, and the mask is read)."""
+    batches = outer[0] if len(outer) >= 2 and rng.random() < 0.6 else 1
+    diagonal = rng.randint(-3, max(S - L, 0) + 3)
+    window_left = rng.choice([None, None, 0, 2, 9])
+    causal = rng.random() < 0.8
+    i, j = torch.arange(L)[:, None], torch.arange(S)[None, :]
+    rows = []
+    for _ in range(batches):
+        begin = rng.randint(0, S) if rng.random() < 0.5 else 0
+        end = rng.randint(begin, S) if rng.random() < 0.5 else S
+        keep = (j >= begin) & (j < end)
+        if causal:
+            keep = keep & (j <= i + diagonal)
+        if window_left is not None:
+            keep = keep & (j >= i + diagonal - window_left)
+        rows.append(keep.expand(L, S))
+    mask = torch.stack(rows)
+    if rng.random() < 0.2:
+        b, r, c = rng.randrange(batches), rng.randrange(L), rng.randrange(S)
+        mask[b, r, c] = ~mask[b, r, c]
+    if batches > 1:
+        mask = mask.view([batches] + [1] * (len(outer) - 1) + [L, S])
+    elif rng.random() < 0.5:
+        mask = mask[0]
+    if rng.random() < 0.4:
+        mdtype = dtype if rng.random() < 0.5 else torch.float32
+        mask = torch.zeros(mask.shape, dtype=mdtype).masked_fill(~mask, -INF)
+    return mask
+
+
 def draw_mask(rng, g, outer, L, S, dtype):
     """A bool or float mask of a shape broadcastable to (*outer, L, S) (None sometimes), with
-    some rows fully masked now and then."""
-    kind = rng.choice(["bool", "bool", "float", "float32"])
+    some rows fully masked now and then; or a band with key spans (draw_band_mask)."""
+    kind = rng.choice(["bool", "bool", "float", "float32", "band"])
+    if kind == "band":
+        return draw_band_mask(rng, outer, L, S, dtype)
     full = list(outer) + [L, S]
     shape = [n if rng.random() < 0.5 else 1 for n in full]
     shape[-1] = S if rng.random() < 0.8 else 1
