@@ -174,3 +174,25 @@ def test_multihead_attention_with_a_causal_mask_and_padding_matches_pytorch():
         ref_out, ref_w = ref(x, x, x, attn_mask=attn_mask, key_padding_mask=key_padding_mask)
         torch.testing.assert_close(out, ref_out)
         torch.testing.assert_close(w, ref_w)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("L", [1, 3, 20])
+def test_band_masks_in_decoding(L, threads):
+    """A few new queries per head over a long grouped-query cache (decoding, speculative
+    decoding's drafts, a prefill chunk), with transformers' mask for a left-padded batch and a
+    static cache (causal, bottom-right to the last query's position, slots past it unused):
+    the decoding paths take its band and spans, the keys split across threads or not."""
+    Hq, Hkv, S, used = 8, 2, 700, 650
+    q = torch.randn(B, Hq, L, E, dtype=torch.float64)
+    k, v = (torch.randn(B, S, Hkv, E, dtype=torch.float64).transpose(1, 2) for _ in range(2))
+    mask = band_mask(L, S, diagonal=used - L, begins=(0, 100, 333), ends=(used,) * B)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, lse, _ = torch.ops.fusedmha.attention_forward(q, k, v, mask, 0.0, False, None, True)
+    finally:
+        torch.set_num_threads(before)
+    ref, ref_lse, _ = reference_variants(q, k, v, mask, enable_gqa=True)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(lse, ref_lse)
