@@ -96,10 +96,18 @@ class BackwardKernel {
   }
 
  private:
-  // dK and dV of keys k0.. of outer index o, and their share of dQ added
-  // into grad_q (o's rows of this set's slice).
-  void key_block(int64_t o, int64_t k0, acc_t* grad_q) {
-    const int64_t cols = std::min(split_.block_kv, p_.len_kv - k0);
+  // dK and dV of the key block at block_k0 of outer index o, and their
+  // share of dQ added into grad_q (o's rows of this set's slice).
+  void key_block(int64_t o, int64_t block_k0, acc_t* grad_q) {
+    const int64_t block_end = std::min(block_k0 + split_.block_kv, p_.len_kv);
+    // Only the block's keys in o's span (key padding, left or right): those
+    // outside it are neither read nor computed (as in the forward, which
+    // starts and ends at the span), and their gradients are 0.
+    const int64_t k0 = std::clamp(first_key_of(p_, o), block_k0, block_end);
+    const int64_t cols = std::clamp(keys_of(p_, o), k0, block_end) - k0;
+    zero_key_gradients(o, block_k0, k0 - block_k0);
+    zero_key_gradients(o, k0 + cols, block_end - k0 - cols);
+    if (cols == 0) return;
     const int64_t E = p_.dim_qk, Ev = p_.dim_v;
 
     int64_t ldk, ldv;
@@ -110,12 +118,10 @@ class BackwardKernel {
     std::fill(ws_.dk, ws_.dk + cols * ws_.dqk, acc_t(0));
     std::fill(ws_.dvv, ws_.dvv + cols * ws_.dv, acc_t(0));
 
-    // Only the queries whose band sees these keys (causal, sliding window);
-    // none when they are all key padding (their gradients are then 0).
+    // Only the queries whose band sees these keys (causal, sliding window).
     const int64_t block_q = split_.block_q;
     const int64_t q_begin = band_query_begin(p_, k0);
-    const bool padding = k0 >= keys_of(p_, o) || k0 + cols <= first_key_of(p_, o);
-    const int64_t q_end = padding ? q_begin : band_query_end(p_, k0 + cols);
+    const int64_t q_end = band_query_end(p_, k0 + cols);
     for (int64_t q0 = q_begin; q0 < q_end; q0 += block_q) {
       const int64_t rows = std::min(block_q, q_end - q0);
       const int64_t bq = round_up(rows, nr);
@@ -219,6 +225,17 @@ class BackwardKernel {
         if (ws_.dcap) g = g * Vec::loadu(ws_.dcap + j * bq + c);
         g.store(ds);
       }
+    }
+  }
+
+  // Zero gradients for keys k0..k0+cols of outer index o (key padding).
+  void zero_key_gradients(int64_t o, int64_t k0, int64_t cols) {
+    const int64_t ldk = bp_.grad_k.row_stride, ldv = bp_.grad_v.row_stride;
+    acc_t* gk = matrix_start<acc_t>(p_.outer, bp_.grad_k, o) + k0 * ldk;
+    acc_t* gv = matrix_start<acc_t>(p_.outer, bp_.grad_v, o) + k0 * ldv;
+    for (int64_t j = 0; j < cols; ++j) {
+      std::fill(gk + j * ldk, gk + j * ldk + p_.dim_qk, acc_t(0));
+      std::fill(gv + j * ldv, gv + j * ldv + p_.dim_v, acc_t(0));
     }
   }
 

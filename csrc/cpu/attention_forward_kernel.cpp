@@ -532,9 +532,11 @@ class ForwardKernel {
     }
     return {std::min(begin, end), end};
   }
-  // Keys per chunk: a multiple of the key block.
+  // Keys per chunk: a multiple of the key block, kMinChunkKeys at least (a
+  // short span's chunks would otherwise be a block each, and merges).
   int64_t chunk_length(int64_t len_kv) const {
-    return round_up(div_up(std::max<int64_t>(len_kv, 1), split_.kv_splits), split_.block_kv);
+    return round_up(std::max(div_up(std::max<int64_t>(len_kv, 1), split_.kv_splits), kMinChunkKeys),
+                    split_.block_kv);
   }
   // Chunk c's partial state of panel h of group g (partial_rows).
   acc_t* partial(int64_t g, int64_t c, int64_t h) const {
@@ -857,6 +859,14 @@ WorkSplit configure(const AttentionParams& p, int64_t threads) {
     for (int64_t all = split.heads, h = all - 1, share = std::max<int64_t>(heads_sharing_kv(p), 1);
          h >= share && split.heads * state_per_head > l2_cache_bytes(); --h) {
       if (all % h == 0 && h % share == 0) split.heads = h;
+    }
+    // With key spans, items of one batch index each where the K/V rows
+    // allow: an item reads the union of its heads' keys, and batch indices
+    // (the last outer dim where each has one query head, or one K/V head of
+    // packed query heads) pad theirs apart.
+    if (p.key_spans) {
+      const int64_t heads = common_divisor(split.heads, p.key_spans_group);
+      if (heads % std::max<int64_t>(heads_sharing_kv(p), 1) == 0) split.heads = heads;
     }
     // Several query rows per head (speculative decoding's drafts): the rows
     // of as many heads of a K/V head as fit decode_rows() share each score

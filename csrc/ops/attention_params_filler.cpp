@@ -227,7 +227,10 @@ bool AttentionCall::use_mask_structure(const at::Tensor& mask) {
   p.key_spans = kept_.back().const_data_ptr<int64_t>();
   // (Outer indices per batch index; one span: every outer index's.)
   p.key_spans_group = std::max<int64_t>(p.num_outer / batches, 1);
-  if (s->diagonal) p.diagonal_offset = *s->diagonal, p.window_right = 0;
+  if (s->diagonal) {
+    // (bottom_right would recompute the diagonal for packed sequences.)
+    p.diagonal_offset = *s->diagonal, p.window_right = 0, p.bottom_right = false;
+  }
   if (s->window_left) p.window_left = *s->window_left;
   return true;
 }

@@ -83,17 +83,20 @@ bool run_of_trues(const T* row, int64_t stride, int64_t len, Run& run) {
 
 // The runs of rows × batches rows (batch b's row i at runs[b·rows + i]),
 // rows row_stride and batches batch_stride elements apart; false where a
-// row is not one run.
+// row is not one run, or (same_rows) differs from its batch index's first.
 template <typename T>
 bool runs_of(const at::Tensor& mask, int64_t batches, int64_t batch_stride, int64_t rows,
-             int64_t row_stride, std::vector<Run>& runs) {
+             int64_t row_stride, bool same_rows, std::vector<Run>& runs) {
   const T* data = static_cast<const T*>(mask.const_data_ptr());
   const int64_t len = mask.size(-1), key_stride = mask.stride(-1);
   runs.resize(batches * rows);
   for (int64_t b = 0; b < batches; ++b) {
     for (int64_t i = 0; i < rows; ++i) {
       const T* row = data + b * batch_stride + i * row_stride;
-      if (!run_of_trues(row, key_stride, len, runs[b * rows + i])) return false;
+      Run& run = runs[b * rows + i];
+      if (!run_of_trues(row, key_stride, len, run)) return false;
+      const Run& first = runs[b * rows];
+      if (same_rows && (run.begin != first.begin || run.end != first.end)) return false;
     }
   }
   return true;
@@ -108,7 +111,7 @@ std::optional<MaskStructure> find_mask_structure(const at::Tensor& mask,
   if (!mask.is_cpu() || n == 0 || outer_shape[0] == 0 || dims < 1 || dims > n + 2) {
     return std::nullopt;  // (reading a device's mask would sync; an empty batch has no rows)
   }
-  if (mask.size(-1) != len_kv || len_kv == 0) return std::nullopt;
+  if (mask.size(-1) != len_kv || mask.numel() == 0) return std::nullopt;
   // Only the batch dim may tell outer indices apart (and only beside a head
   // dim: with one outer dim it may be the heads of a 3-d call). Dims of
   // stride 0 (expanded) tell nothing apart.
@@ -122,26 +125,21 @@ std::optional<MaskStructure> find_mask_structure(const at::Tensor& mask,
   if (rows != 1 && rows != len_q) return std::nullopt;
   const int64_t row_stride = rows > 1 ? mask.stride(-2) : 0;
 
+  // Without a band every row of a batch index must be its first (the scan
+  // stops at the first that is not).
   std::vector<Run> runs;
+  auto read = [&](auto element) {
+    using T = decltype(element);
+    return runs_of<T>(mask, batches, batch_stride, rows, row_stride, !with_band, runs);
+  };
   bool one_run_per_row = false;
   switch (mask.scalar_type()) {
-    case at::kBool:
-      one_run_per_row = runs_of<uint8_t>(mask, batches, batch_stride, rows, row_stride, runs);
-      break;
-    case at::kFloat:
-      one_run_per_row = runs_of<float>(mask, batches, batch_stride, rows, row_stride, runs);
-      break;
-    case at::kDouble:
-      one_run_per_row = runs_of<double>(mask, batches, batch_stride, rows, row_stride, runs);
-      break;
-    case at::kHalf:
-      one_run_per_row = runs_of<c10::Half>(mask, batches, batch_stride, rows, row_stride, runs);
-      break;
-    case at::kBFloat16:
-      one_run_per_row = runs_of<c10::BFloat16>(mask, batches, batch_stride, rows, row_stride, runs);
-      break;
-    default:
-      return std::nullopt;
+    case at::kBool: one_run_per_row = read(uint8_t{}); break;
+    case at::kFloat: one_run_per_row = read(float{}); break;
+    case at::kDouble: one_run_per_row = read(double{}); break;
+    case at::kHalf: one_run_per_row = read(c10::Half{}); break;
+    case at::kBFloat16: one_run_per_row = read(c10::BFloat16{}); break;
+    default: return std::nullopt;
   }
   if (!one_run_per_row) return std::nullopt;
 

@@ -308,9 +308,13 @@ def expect_merged_case(name, threads, B, H, Hkv, L, E, S, kv_layout, q=None):
         k, v = (torch.randn(B, Hkv, S, E, dtype=torch.float64) for _ in range(2))
     else:
         k, v = (torch.randn(B, S, Hkv, E, dtype=torch.float64).transpose(1, 2) for _ in range(2))
-    mask = None
-    if kw.pop("mask", None):  # (a key-length mask: the second sequence sees a third of the keys)
-        mask = torch.arange(S)[None, None, None, :] < torch.tensor([S, S // 3])[:, None, None, None]
+    mask, keys = None, torch.arange(S)[None, None, None, :]
+    kind = kw.pop("mask", None)
+    if kind == "padding":  # (key lengths: the second sequence sees a third of the keys)
+        mask = keys < torch.tensor([S, S // 3])[:, None, None, None]
+    elif kind == "span":  # (the first sequence left-padded, the second padded on both sides)
+        begin, end = (torch.tensor(t)[:, None, None, None] for t in ([S // 4, 5], [S, S // 2]))
+        mask = (keys >= begin) & (keys < end)
     if kw.pop("sinks", False):
         kw["sinks"] = torch.randn(H, dtype=torch.float64)
     is_causal = kw.pop("is_causal", False)

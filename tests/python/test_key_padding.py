@@ -67,25 +67,25 @@ def test_suffix_padding_read_through_strides():
 
 
 @pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("Hkv", [2, 1])
 @pytest.mark.parametrize("L", [1, 70])
-def test_keys_outside_a_span_are_never_used(L, threads):
-    """Left padding, a suffix or both are skipped, not computed: keys outside a row's span may
-    hold NaN (an uninitialised static cache's slots) and the output stays that of the keys in
-    the span, in prefill and in decoding (grouped heads packed as rows, keys split across
-    threads). A span's first and last key blocks are read and their outside scores set to
-    -inf before the softmax, so NaN keys there leave no trace either. (The general mask path
-    adds -inf to a NaN score: NaN. So this fails wherever a span is not recognised.)"""
-    B, H, Hkv, S, E = 3, 8, 2, 700, 16
+def test_keys_outside_a_span_are_never_used(L, Hkv, threads):
+    """Left padding, a suffix or both are skipped, not computed: K and V outside a row's span
+    may hold NaN (a cache's unused slots) and the output stays that of the keys in the span,
+    in prefill and in decoding (grouped heads packed as rows, keys split across threads; with
+    one K/V head the batch indices are the last outer dim, and no work item holds two of
+    them). (The general mask path adds -inf to a NaN score: NaN. So this fails wherever a span
+    is not recognised.)"""
+    B, H, S, E = 4, 8, 700, 16
     q = torch.randn(B, H, L, E)
     k, v = (torch.randn(B, Hkv, S, E) for _ in range(2))
-    spans = [(100, 700), (0, 650), (33, 401)]
+    spans = [(100, 700), (0, 650), (33, 401), (0, 700)]
     mask = span_mask(spans, S, (B, 1, 1, S))
-    nan_keys = k.clone()
-    nan_keys.masked_fill_(~mask.view(B, 1, S, 1), float("nan"))
+    nan_k, nan_v = (t.masked_fill(~mask.view(B, 1, S, 1), float("nan")) for t in (k, v))
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out = fusedmha.scaled_dot_product_attention(q, nan_keys, v, attn_mask=mask, enable_gqa=True)
+        out = fusedmha.scaled_dot_product_attention(q, nan_k, nan_v, attn_mask=mask, enable_gqa=True)
     finally:
         torch.set_num_threads(before)
     ref, _, _ = reference_variants(q.double(), k.double(), v.double(), mask, enable_gqa=True)
@@ -133,7 +133,7 @@ def test_multihead_attention_with_right_padding_matches_pytorch():
 
 @pytest.mark.parametrize("dropout_p", [0.0, 0.1])
 def test_an_empty_batch_with_a_padding_mask(dropout_p):
-    """A key padding mask of an empty batch (0, 1, 1, S) is no key lengths to read (it divided
+    """A key padding mask of an empty batch (0, 1, 1, S) is no key spans to read (it divided
     by the batch size: a crash), and the module's empty batch with its key_padding_mask gives
     empty outputs."""
     q = torch.randn(0, 2, 5, 4)

@@ -100,28 +100,38 @@ def test_band_masks_in_every_dtype(name, dtype):
 
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("heads", [1, H])
-@pytest.mark.parametrize("name", ["causal_left_padding", "static_cache", "tril"])
+@pytest.mark.parametrize("name", ["causal_left_padding", "static_cache", "tril", "square_subsequent",
+                                  "chunked_prefill", "sliding_window"])
 def test_keys_no_row_sees_are_never_used(name, heads, threads):
     """The skip itself: keys that no query of a batch index sees (left padding, a static
-    cache's slots past the last query) may hold NaN, and the output stays finite and that of
-    the reference; also with the mask expanded over the batch and the heads (stride 0).
-    (The general mask path adds -inf to a NaN score: NaN. So this fails wherever
-    the mask's structure is not recognised.)"""
+    cache's slots past the last query, keys left of a window) may hold NaN in K and V, and the
+    output, the log-sum-exp and the gradients stay finite and those of the reference (0 for
+    those keys); also with the mask expanded over the batch and the heads (stride 0). (The
+    general mask path adds -inf to a NaN score: NaN. So this fails wherever the mask's
+    structure is not recognised.)"""
     L, S = 150, 300
-    q = torch.randn(B, H, L, E)
-    k, v = (torch.randn(B, H, S, E) for _ in range(2))
-    mask = CASES[name](L, S).expand(B, heads, L, S)
-    unseen = ~mask[:, :1].any(dim=-2, keepdim=True)  # (B, 1, 1, S)
+    q = torch.randn(B, H, L, E, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(B, H, S, E, dtype=torch.float64) for _ in range(2))
+    mask = CASES[name](L, S)
+    mask = mask.expand(B, heads, L, S)
+    seen = mask if mask.dtype == torch.bool else mask == 0
+    unseen = ~seen[:, :1].any(dim=-2).unsqueeze(-1)  # (B, 1, S, 1)
     assert unseen.any()
-    nan_keys = k.masked_fill(unseen.transpose(-1, -2), float("nan"))
+    nan_k, nan_v = (t.masked_fill(unseen, float("nan")).requires_grad_() for t in (k, v))
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out = fusedmha.scaled_dot_product_attention(q, nan_keys, v, attn_mask=mask)
+        out, lse, _ = torch.ops.fusedmha.attention_forward(q, nan_k, nan_v, mask, 0.0, False)
+        grad = torch.randn_like(out)
+        got = torch.autograd.grad(out, [q, nan_k, nan_v], grad)
     finally:
         torch.set_num_threads(before)
-    ref, _, _ = reference_variants(q, k, v, mask)
-    torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=2e-6)
+    k.requires_grad_(), v.requires_grad_()
+    ref, ref_lse, _ = reference_variants(q, k, v, mask)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(lse, ref_lse)
+    for a, b in zip(got, torch.autograd.grad(ref, [q, k, v], grad)):
+        torch.testing.assert_close(a, b)
 
 
 def near_misses(L, S):
@@ -177,20 +187,25 @@ def test_multihead_attention_with_a_causal_mask_and_padding_matches_pytorch():
 
 
 @pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("Hkv", [2, 1])
 @pytest.mark.parametrize("L", [1, 3, 20])
-def test_band_masks_in_decoding(L, threads):
+def test_band_masks_in_decoding(L, Hkv, threads):
     """A few new queries per head over a long grouped-query cache (decoding, speculative
     decoding's drafts, a prefill chunk), with transformers' mask for a left-padded batch and a
     static cache (causal, bottom-right to the last query's position, slots past it unused):
-    the decoding paths take its band and spans, the keys split across threads or not."""
-    Hq, Hkv, S, used = 8, 2, 700, 650
+    the decoding paths take its band and spans, the keys split across threads or not. The
+    slots no query sees hold NaN: they are never read (with one K/V head, the batch indices
+    are the last outer dim, and no work item holds two of them)."""
+    Hq, S, used = 8, 700, 650
     q = torch.randn(B, Hq, L, E, dtype=torch.float64)
     k, v = (torch.randn(B, S, Hkv, E, dtype=torch.float64).transpose(1, 2) for _ in range(2))
     mask = band_mask(L, S, diagonal=used - L, begins=(0, 100, 333), ends=(used,) * B)
+    unseen = ~mask.any(dim=-2).unsqueeze(-1)  # (B, 1, S, 1)
+    nan_k, nan_v = (t.masked_fill(unseen, float("nan")) for t in (k, v))
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out, lse, _ = torch.ops.fusedmha.attention_forward(q, k, v, mask, 0.0, False, None, True)
+        out, lse, _ = torch.ops.fusedmha.attention_forward(q, nan_k, nan_v, mask, 0.0, False, None, True)
     finally:
         torch.set_num_threads(before)
     ref, ref_lse, _ = reference_variants(q, k, v, mask, enable_gqa=True)
