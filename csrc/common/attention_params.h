@@ -136,9 +136,9 @@ struct AttentionParams {
   Matrix mask;
   // Padding of the keys, when set: outer index o sees only keys [begin,
   // end) = key_spans[2b], key_spans[2b + 1] with b = o / key_spans_group
-  // (the rest are skipped, never read). The CPU host sets it for a bool mask
-  // whose rows are each one run of trues: left padding, a suffix (a static
-  // cache's unused slots), or both.
+  // (the rest are skipped, never read). The CPU host sets it for a mask that
+  // only pads the keys, left (a padded batch), right (a suffix, a static
+  // cache's unused slots) or both, and may hide a band (ops/mask_structure.h).
   const int64_t* key_spans = nullptr;
   int64_t key_spans_group = 1;
   Sequences seq;

@@ -283,7 +283,7 @@ def draw_band_mask(rng, outer, L, S, dtype):
         mask[b, r, c] = ~mask[b, r, c]
     if batches > 1:
         mask = mask.view([batches] + [1] * (len(outer) - 1) + [L, S])
-    elif rng.random() < 0.5:
+    elif not outer or rng.random() < 0.5:  # ((L, S); (1, L, S) only beside an outer dim)
         mask = mask[0]
     if rng.random() < 0.4:
         mdtype = dtype if rng.random() < 0.5 else torch.float32
