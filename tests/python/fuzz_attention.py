@@ -539,6 +539,13 @@ def check_nonfinite(pb, out, what="output"):
     value where the truth is not finite, nor a wrong finite value (see the module's docstring)."""
     q, k, v = pb.q.double(), pb.k.double(), pb.v.double()
     given_mask = pb.mask
+    if pb.mask is not None and pb.mask.dtype != torch.bool and (
+            (pb.mask == 0) | (pb.mask == -INF)).all():
+        # A float mask of 0 and -inf hides keys as a bool mask does (the CPU host may read it
+        # as a band and key spans, whose hidden keys are never read): the truth leaves them
+        # out, and a NaN or inf they carry may still reach the row (leak, below).
+        pb = copy.copy(pb)
+        pb.mask = pb.mask == 0
     if pb.mask is not None and pb.mask.dtype != torch.bool:
         # Keys outside the causal band or the window are not attended to, whatever a float
         # mask holds there (the kernels never read it): the truth leaves them out.
