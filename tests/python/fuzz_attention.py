@@ -583,8 +583,11 @@ def check_nonfinite(pb, out, what="output"):
     unattended = ~attended
     leak_rows = (unattended & ~torch.isfinite(raw)).any(-1, keepdim=True)
     leak = ((unattended.double() @ vbad.double()) > 0) | leak_rows
-    if given_mask is not None and given_mask.dtype != torch.bool:  # -inf + inf in the mask itself
-        leak = leak | (~torch.isfinite(given_mask.double()) & unattended).any(-1, keepdim=True)
+    if given_mask is not None and given_mask.dtype != torch.bool:
+        # NaN or +inf in the mask itself at a key the row does not attend to (a -inf there
+        # with a non-finite score is leak_rows' case).
+        m = given_mask.double()
+        leak = leak | ((torch.isnan(m) | (m == INF)) & unattended).any(-1, keepdim=True)
     got = out.detach().double()
     expect(tuple(got.shape) == tuple(exact.shape), f"{what}: shape {tuple(got.shape)} != {tuple(exact.shape)}")
     exact, leak = exact.expand(got.shape), leak.expand(got.shape)

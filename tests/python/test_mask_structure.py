@@ -100,9 +100,10 @@ def test_band_masks_in_every_dtype(name, dtype):
 
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("heads", [1, H])
+@pytest.mark.parametrize("Ev", [E, 24])
 @pytest.mark.parametrize("name", ["causal_left_padding", "static_cache", "tril", "square_subsequent",
                                   "chunked_prefill", "sliding_window"])
-def test_keys_no_row_sees_are_never_used(name, heads, threads):
+def test_keys_no_row_sees_are_never_used(name, Ev, heads, threads):
     """The skip itself: keys that no query of a batch index sees (left padding, a static
     cache's slots past the last query, keys left of a window) may hold NaN in K and V, and the
     output, the log-sum-exp and the gradients stay finite and those of the reference (0 for
@@ -111,7 +112,7 @@ def test_keys_no_row_sees_are_never_used(name, heads, threads):
     structure is not recognised.)"""
     L, S = 150, 300
     q = torch.randn(B, H, L, E, dtype=torch.float64, requires_grad=True)
-    k, v = (torch.randn(B, H, S, E, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(B, H, S, n, dtype=torch.float64) for n in (E, Ev))
     mask = CASES[name](L, S)
     mask = mask.expand(B, heads, L, S)
     seen = mask if mask.dtype == torch.bool else mask == 0
@@ -191,16 +192,18 @@ def test_multihead_attention_with_a_causal_mask_and_padding_matches_pytorch():
 @pytest.mark.parametrize("L", [1, 3, 20])
 def test_band_masks_in_decoding(L, Hkv, threads):
     """A few new queries per head over a long grouped-query cache (decoding, speculative
-    decoding's drafts, a prefill chunk), with transformers' mask for a left-padded batch and a
-    static cache (causal, bottom-right to the last query's position, slots past it unused):
-    the decoding paths take its band and spans, the keys split across threads or not. The
-    slots no query sees hold NaN: they are never read (with one K/V head, the batch indices
-    are the last outer dim, and no work item holds two of them)."""
-    Hq, S, used = 8, 700, 650
-    q = torch.randn(B, Hq, L, E, dtype=torch.float64)
-    k, v = (torch.randn(B, S, Hkv, E, dtype=torch.float64).transpose(1, 2) for _ in range(2))
-    mask = band_mask(L, S, diagonal=used - L, begins=(0, 100, 333), ends=(used,) * B)
-    unseen = ~mask.any(dim=-2).unsqueeze(-1)  # (B, 1, S, 1)
+    decoding's drafts; 20 queries take the GEMM path), with transformers' mask for a
+    left-padded batch and a static cache (causal, bottom-right to the last query's position,
+    slots past it unused): the band and spans are taken, the keys split across threads or
+    not. The slots no query sees hold NaN: they are never read. (With one K/V head, read from
+    a cache of two, the packed query heads leave the batch as the last outer dim, and no work
+    item may hold two batch indices.)"""
+    Bd, Hq, S, used = 4, 8, 700, 650
+    q = torch.randn(Bd, Hq, L, E, dtype=torch.float64)
+    k, v = (torch.randn(Bd, S, 2, E, dtype=torch.float64)[:, :, :Hkv].transpose(1, 2)
+            for _ in range(2))
+    mask = band_mask(L, S, diagonal=used - L, begins=(0, 100, 333, 0), ends=(used,) * Bd)
+    unseen = ~mask.any(dim=-2).unsqueeze(-1)  # (Bd, 1, S, 1)
     nan_k, nan_v = (t.masked_fill(unseen, float("nan")) for t in (k, v))
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
