@@ -51,6 +51,14 @@ def cases():
             {"attn_mask": torch.rand(2, 4, 37, 45) > 0.3}
         yield (r(2, 4, 37, 64, dtype=dtype), r(2, 4, 45, 64, dtype=dtype), r(2, 4, 45, 64, dtype=dtype)), \
             {"attn_mask": r(2, 1, 37, 45, dtype=dtype)}
+        # A bool mask per head read as bits (AVX-512): strips of 16 whole query rows and a tail
+        # of 8, keys in chunks of 64 and a tail of 22, rows a stride apart (a slice of a wider
+        # mask), and keys that no query of a strip sees.
+        wide = torch.rand(2, 4, 40, 200) > 0.5
+        wide[..., 60:75] = False
+        wide[..., 1] = True
+        yield (r(2, 4, 40, 32, dtype=dtype), r(2, 4, 150, 32, dtype=dtype), r(2, 4, 150, 32, dtype=dtype)), \
+            {"attn_mask": wide[..., :150]}
         # A block of 256 query rows (scores from the transposed key blocks) and one of 44; a head
         # dim and a last key block that are not whole vectors.
         yield (r(2, 4, 300, 40, dtype=dtype), r(2, 4, 333, 40, dtype=dtype), r(2, 4, 333, 24, dtype=dtype)), {}
