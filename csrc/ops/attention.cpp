@@ -60,17 +60,23 @@ at::Tensor sdpa_composite(const at::Tensor& query, const at::Tensor& key, const 
               ": an explicit attn_mask should not be set when is_causal=True");
   const AttentionVariants variants{window_left, window_right, bottom_right, softcap,
                                    alibi_slopes, sinks};
+  // PyTorch scores 3-d inputs (N, L, E) as (1, N, L, S), so it also takes a
+  // 4-d mask whose first dim is 1 there: that is the same mask without it.
+  OptTensor mask = attn_mask;
+  if (mask.has_value() && query.dim() == 3 && mask->dim() == 4 && mask->sym_size(0) == 1) {
+    mask = mask->squeeze(0);
+  }
   // Checked here too, so that errors name the function the user called.
-  ops::check_attention_inputs(ops::kSdpaOp, query, key, value, attn_mask,
+  ops::check_attention_inputs(ops::kSdpaOp, query, key, value, mask,
                               dropout_p == 1.0 ? 0.0 : dropout_p, scale, enable_gqa, variants);
   if (dropout_p == 1.0) {
     // Every probability dropped, as in PyTorch: zeros (with zero gradients),
     // and the same input checks. The kernels themselves take p < 1.
-    return std::get<0>(attention_forward(query, key, value, attn_mask, 0.0, is_causal, scale,
+    return std::get<0>(attention_forward(query, key, value, mask, 0.0, is_causal, scale,
                                          enable_gqa, variants))
         .mul(0.0);
   }
-  return std::get<0>(attention_forward(query, key, value, attn_mask, dropout_p, is_causal, scale,
+  return std::get<0>(attention_forward(query, key, value, mask, dropout_p, is_causal, scale,
                                        enable_gqa, variants));
 }
 

@@ -92,6 +92,14 @@ def test_mask_not_broadcastable(shape):
            attn_mask=torch.ones(shape, dtype=torch.bool))
 
 
+@pytest.mark.parametrize("shape", [(2, 4, 5, 7), (1, 1, 4, 5, 7)])
+def test_mask_beyond_three_dim_inputs(shape):
+    # PyTorch takes a (1, N, L, S) mask for (N, L, E) inputs, and refuses these.
+    q, k, v = (t[0] for t in qkv())
+    with pytest.raises(RuntimeError, match=r"attn_mask of shape .* is not broadcastable to the attention shape"):
+        sdpa(q, k, v, attn_mask=torch.ones(shape, dtype=torch.bool))
+
+
 def test_mask_device_mismatch():
     q, k, v = qkv()
     raises(r"attn_mask on the query's device", q, k, v, attn_mask=torch.ones(5, 7, dtype=torch.bool, device="meta"))

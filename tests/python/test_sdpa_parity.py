@@ -3,6 +3,7 @@ every device (the `device` fixture: CUDA cases skip, with the reason, without a 
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import fusedmha
 from devices import on_devices
@@ -61,6 +62,21 @@ def test_batch_dims(batch, rand):
 def test_two_dim_inputs(rand):
     q, k, v = rand(19, 16), rand(23, 16), rand(23, 8)
     assert_attention_close(sdpa(q, k, v), q, k, v)
+
+
+@pytest.mark.parametrize("mask_shape", [(1, 4, 19, 23), (1, 1, 19, 23), (1, 4, 1, 23)], ids=str)
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_three_dim_inputs_take_a_four_dim_mask(mask_shape, kind, rand):
+    # PyTorch scores (N, L, E) inputs as (1, N, L, S), so a mask of that shape is accepted.
+    q, k, v = rand(4, 19, 16), rand(4, 23, 16), rand(4, 23, 8)
+    mask = torch.rand(mask_shape) > 0.3
+    mask[..., 0] = True
+    if kind == "float":
+        mask = torch.randn(mask_shape).masked_fill(~mask, float("-inf"))
+    out = sdpa(q, k, v, attn_mask=mask)
+    assert out.shape == (4, 19, 8)
+    assert_attention_close(out, q, k, v, attn_mask=mask[0])
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask), rtol=1e-5, atol=1e-5)
 
 
 def test_zero_size_batch(rand):
