@@ -3,7 +3,8 @@ F.scaled_dot_product_attention (its fused CPU flash kernel) vs an unfused textbo
 implementation, timed in alternation (median per call). Prints time, GFLOP/s and the ratios
 (>1 = fusedmha faster), then the peak extra memory of a 16k×16k attention.
 
-Variants: plain, causal, a float (L, S) mask ("mask"), a bool key padding mask of shape
+Variants: plain, causal, a float (L, S) mask ("mask"), a bool mask per head, (B, H, L, S), that
+hides a fifth of the scores at random ("head-mask"), a bool key padding mask of shape
 (B, 1, 1, S) that pads the last eighth of the keys ("pad"), and the bool (B, 1, L, S) causal
 mask with left padding (up to 3/16 of the keys) that transformers passes for a padded batch
 ("hf-mask", read as the causal band and key spans). For the masks, "of unmasked" is
@@ -44,8 +45,9 @@ def run_speed(lengths, dtypes, B, H, E, min_time):
             padding[..., L - L // 8:] = False  # (True = may attend)
             i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
             hf_mask = torch.stack([(j <= i) & (j >= b * L // (4 * B)) for b in range(B)])[:, None]
-            masks = {"mask": mask, "pad": padding, "hf-mask": hf_mask}
-            for variant in ["plain", "causal", "mask", "pad", "hf-mask"]:
+            head_mask = torch.randint(0, 5, (B, H, L, L), dtype=torch.uint8) != 0
+            masks = {"mask": mask, "head-mask": head_mask, "pad": padding, "hf-mask": hf_mask}
+            for variant in ["plain", "causal", "mask", "head-mask", "pad", "hf-mask"]:
                 kw = {"is_causal": True} if variant == "causal" else {}
                 if variant in masks:
                     kw["attn_mask"] = masks[variant]
@@ -75,7 +77,7 @@ def run_speed(lengths, dtypes, B, H, E, min_time):
                             else f"{'-':>12s}")
                 flops = attention_flops(B, H, L, L, E, causal)
                 g_f, g_t = flops / t_f / 1e9, flops / t_t / 1e9
-                print(f"{str(dtype).replace('torch.', ''):9s} {L:6d} {variant:8s} {t_f * 1e3:12.2f} "
+                print(f"{str(dtype).replace('torch.', ''):9s} {L:6d} {variant:9s} {t_f * 1e3:11.2f} "
                       f"{g_f:8.1f} {100 * g_f / peak:5.0f}% {t_t * 1e3:9.2f} {g_t:8.1f} "
                       f"{100 * g_t / peak:5.0f}% {t_t / t_f:8.2f}x {unfused} {of_unmasked}", flush=True)
 
