@@ -144,8 +144,8 @@ inline void bool_terms(const bool* src, acc_t* dst, int64_t n) {
 // (Zen 4, B=4, H=8, L=S=1024, E=64: the forward with such a mask ran at 0.90
 // of the unmasked speed, 0.93 with this; forward + backward 0.91, 0.95). On
 // AVX2 the same scheme (8 rows, lane masks from a table) was no faster than
-// the terms' path, so AVX2 keeps that. kBlockedKeys keys at most per call;
-// keys from n on are left out.
+// the terms' path, so AVX2 keeps that. n <= kBlockedKeys; blocked[j] for
+// j >= n is meaningless (read [0, n) only).
 #if defined(CPU_CAPABILITY_AVX512)
 constexpr int64_t kBlockedKeys = 64;
 inline void blocked_queries(const bool* m, int64_t ld, int64_t n, uint16_t* blocked) {
@@ -1404,11 +1404,13 @@ class TileReader {
     }
     // A general mask is read along its rows (w queries at a time) into mt as
     // additive terms, then added onto Sᵀ through w × w transposes; on
-    // AVX-512, a bool mask's strips of w whole rows go through bits instead.
+    // AVX-512, a bool mask's strips of w whole rows, with keys contiguous,
+    // go through bits instead (bool_strip).
     const int64_t ldm = round_up(cols, w);
     for (int64_t i0 = 0; i0 < rows; i0 += w) {
 #if defined(CPU_CAPABILITY_AVX512)
       if constexpr (std::is_same_v<mask_t, bool> && std::is_same_v<acc_t, float>) {
+        static_assert(w == 16, "bool_strip takes strips of 16 float lanes");
         if (cs == 1 && i0 + w <= rows) {
           bool_strip<kAdd>(base + (q0 + i0) * mk.row_stride, mk.row_stride, cols, st + i0, bq);
           continue;

@@ -4,6 +4,7 @@
 #include <fusedmha/attention.h>
 
 #include "ops/attention_checks.h"
+#include "ops/attention_shapes.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -62,9 +63,19 @@ at::Tensor sdpa_composite(const at::Tensor& query, const at::Tensor& key, const 
                                    alibi_slopes, sinks};
   // PyTorch scores 3-d inputs (N, L, E) as (1, N, L, S), so it also takes a
   // 4-d mask whose first dim is 1 there: that is the same mask without it.
+  // (Kept whole where the rest does not broadcast either: the error then
+  // shows the shape that was passed.)
   OptTensor mask = attn_mask;
   if (mask.has_value() && query.dim() == 3 && mask->dim() == 4 && mask->sym_size(0) == 1) {
-    mask = mask->squeeze(0);
+    const std::vector<c10::SymInt> outer =
+        ops::attention_outer_shape(ops::kSdpaOp, query, key, value, enable_gqa);
+    const c10::SymInt target[3] = {outer[0], query.sym_size(1), key.sym_size(1)};
+    bool broadcasts = true;
+    for (int64_t i = 0; i < 3; ++i) {
+      const c10::SymInt& m = mask->sym_size(i + 1);
+      broadcasts = broadcasts && (m == 1 || m == target[i]);
+    }
+    if (broadcasts) mask = mask->squeeze(0);
   }
   // Checked here too, so that errors name the function the user called.
   ops::check_attention_inputs(ops::kSdpaOp, query, key, value, mask,

@@ -33,7 +33,8 @@ def scaled_dot_product_attention(
 
     query ``(..., H, L, E)``, key ``(..., H_kv, S, E)``, value ``(..., H_kv, S, Ev)``.
     ``attn_mask``: bool (True = may attend) or float (added to the scores), any shape
-    broadcastable to ``(..., H, L, S)``; it is read through its strides, never expanded.
+    broadcastable to ``(..., H, L, S)`` (for ``(N, L, E)`` inputs also ``(1, N, L, S)``, as in
+    PyTorch); it is read through its strides, never expanded.
     ``is_causal``: causal mask, no tensor built, aligned top-left (query i sees keys j <= i)
     unless ``bottom_right``. ``scale`` defaults to ``1/sqrt(E)``. ``enable_gqa``: H may be a
     multiple of H_kv (K/V are not copied).

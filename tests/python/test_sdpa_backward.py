@@ -95,6 +95,17 @@ def test_masks(mask_shape, kind, device, rand):
     assert_grads_close(q, k, v, attn_mask=mask.to(device))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_bool_mask_per_head_over_several_key_blocks(dtype, rand):
+    # Strips of 16 query rows and a tail, keys in chunks of 64 and a tail (read as bits on
+    # AVX-512), mask rows a stride apart (a slice of a wider mask), keys no strip sees.
+    keep = torch.rand(2, 3, 40, 200) > 0.5
+    keep[..., 60:75] = False
+    keep[..., 1] = True
+    assert_grads_close(rand(2, 3, 40, 32, dtype=dtype), rand(2, 3, 150, 32, dtype=dtype),
+                       rand(2, 3, 150, 24, dtype=dtype), attn_mask=keep[..., :150])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_fully_masked_rows_get_zero_gradient(dtype, device, rand):
     q, k, v = leaf(rand(2, 4, 19, 16, dtype=dtype)), leaf(rand(2, 4, 23, 16, dtype=dtype)), leaf(rand(2, 4, 23, 8, dtype=dtype))

@@ -1,5 +1,7 @@
 """Bad input raises a RuntimeError that names the argument and what was expected."""
 
+import re
+
 import pytest
 import torch
 
@@ -92,11 +94,13 @@ def test_mask_not_broadcastable(shape):
            attn_mask=torch.ones(shape, dtype=torch.bool))
 
 
-@pytest.mark.parametrize("shape", [(2, 4, 5, 7), (1, 1, 4, 5, 7)])
+@pytest.mark.parametrize("shape", [(2, 4, 5, 7), (1, 1, 4, 5, 7), (1, 3, 5, 7), (1, 4, 5, 6)])
 def test_mask_beyond_three_dim_inputs(shape):
-    # PyTorch takes a (1, N, L, S) mask for (N, L, E) inputs, and refuses these.
+    # PyTorch takes a (1, N, L, S) mask for (N, L, E) inputs, and refuses these. The error
+    # shows the shape passed.
     q, k, v = (t[0] for t in qkv())
-    with pytest.raises(RuntimeError, match=r"attn_mask of shape .* is not broadcastable to the attention shape"):
+    shown = re.escape(str(list(shape)))
+    with pytest.raises(RuntimeError, match=rf"attn_mask of shape {shown} is not broadcastable to the attention shape"):
         sdpa(q, k, v, attn_mask=torch.ones(shape, dtype=torch.bool))
 
 
