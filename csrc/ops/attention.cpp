@@ -67,15 +67,11 @@ at::Tensor sdpa_composite(const at::Tensor& query, const at::Tensor& key, const 
   // shows the shape that was passed.)
   OptTensor mask = attn_mask;
   if (mask.has_value() && query.dim() == 3 && mask->dim() == 4 && mask->sym_size(0) == 1) {
-    const std::vector<c10::SymInt> outer =
+    std::vector<c10::SymInt> target =
         ops::attention_outer_shape(ops::kSdpaOp, query, key, value, enable_gqa);
-    const c10::SymInt target[3] = {outer[0], query.sym_size(1), key.sym_size(1)};
-    bool broadcasts = true;
-    for (int64_t i = 0; i < 3; ++i) {
-      const c10::SymInt& m = mask->sym_size(i + 1);
-      broadcasts = broadcasts && (m == 1 || m == target[i]);
-    }
-    if (broadcasts) mask = mask->squeeze(0);
+    target.push_back(query.sym_size(-2));
+    target.push_back(key.sym_size(-2));
+    if (ops::mask_broadcasts_to(mask->sym_sizes().slice(1), target)) mask = mask->squeeze(0);
   }
   // Checked here too, so that errors name the function the user called.
   ops::check_attention_inputs(ops::kSdpaOp, query, key, value, mask,

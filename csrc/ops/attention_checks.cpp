@@ -95,6 +95,15 @@ at::Tensor returned_rng_state(const at::Tensor& drawn,
   return dropout_state->to(drawn.device(), /*non_blocking=*/false, /*copy=*/true);
 }
 
+bool mask_broadcasts_to(c10::SymIntArrayRef mask, c10::SymIntArrayRef target) {
+  if (mask.size() > target.size()) return false;
+  for (size_t i = 1; i <= mask.size(); ++i) {
+    const c10::SymInt& m = mask[mask.size() - i];
+    if (!(m == 1 || m == target[target.size() - i])) return false;
+  }
+  return true;
+}
+
 void check_attention_inputs(const char* op,
                             const at::Tensor& query,
                             const at::Tensor& key,
@@ -138,12 +147,7 @@ void check_attention_inputs(const char* op,
     std::vector<c10::SymInt> target = outer;
     target.push_back(query.sym_size(-2));
     target.push_back(key.sym_size(-2));
-    bool ok = mask.dim() <= static_cast<int64_t>(target.size());
-    for (int64_t i = 1; ok && i <= mask.dim(); ++i) {
-      const c10::SymInt& m = mask.sym_size(-i);
-      ok = m == 1 || m == target[target.size() - i];
-    }
-    TORCH_CHECK(ok, op, ": attn_mask of shape ", shape_str(mask.sym_sizes()),
+    TORCH_CHECK(mask_broadcasts_to(mask.sym_sizes(), target), op, ": attn_mask of shape ", shape_str(mask.sym_sizes()),
                 " is not broadcastable to the attention shape (..., H, L, S) = ",
                 shape_str(target));
   }
