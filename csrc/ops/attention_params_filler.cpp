@@ -217,8 +217,8 @@ bool AttentionCall::use_mask_structure(const at::Tensor& mask) {
   // A band from the mask only where the call has none, and nothing else
   // reads the diagonal (ALiBi's distances); packed heads are one query row.
   const bool with_band = !has_band(p) && !p.alibi_slopes.data && group_ == 1;
-  const std::optional<MaskStructure> s =
-      find_mask_structure(mask, outer_shape_, p.len_q, p.len_kv, with_band);
+  const std::optional<MaskStructure> s = find_mask_structure(
+      mask, outer_shape_, p.len_q, p.len_kv, with_band, /*lowest_hides=*/!has_band(p));
   if (!s) return false;
   const int64_t batches = static_cast<int64_t>(s->spans.size()) / 2;
   at::Tensor spans = at::empty({2 * batches}, mask.options().dtype(at::kLong));

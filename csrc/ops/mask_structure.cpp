@@ -11,15 +11,37 @@
 namespace fusedmha::ops {
 namespace {
 
-// An element as 1 (may attend), 0 (hidden) or -1 (neither: any other value
-// of a float mask, which adds it to the score).
+// Whether a float mask's lowest finite value (torch.finfo(dtype).min, which
+// transformers' float masks and many models use for "hidden") hides a key as
+// −inf does. In float32, bfloat16 and float64 it does, to the bit: added to
+// a score below 2^103 in size it rounds to itself, and its exp relative to
+// any score a query sees is exactly 0, so skipping the key changes nothing.
+// Except in a row that sees no key: there every score is that same value,
+// and the softmax averages the hidden keys (where −inf gives zeros), so such
+// a row is not a run (run_of_trues); and where the call has a band of its
+// own, which could leave a row only keys the mask hides so, the value is
+// read as a value (find_mask_structure's lowest_hides). float16's lowest,
+// −65504, is not read so: fp16 scores may differ by more than that.
 template <typename T>
-int truth(T x) {
+constexpr bool kLowestHides = std::is_same_v<T, float> || std::is_same_v<T, double> ||
+                              std::is_same_v<T, c10::BFloat16>;
+
+// An element as 1 (may attend), 0 (hidden) or -1 (neither: any other value
+// of a float mask, which adds it to the score; the lowest value unless
+// lowest_hides).
+template <typename T>
+int truth(T x, bool lowest_hides) {
   if constexpr (std::is_same_v<T, uint8_t>) {
     return x != 0;  // (a bool's bytes, nonzero = true, as the kernels read them)
   } else {
-    const auto f = static_cast<std::conditional_t<std::is_same_v<T, double>, double, float>>(x);
-    return f == 0 ? 1 : (std::isinf(f) && f < 0 ? 0 : -1);
+    using F = std::conditional_t<std::is_same_v<T, double>, double, float>;
+    const F f = static_cast<F>(x);
+    if (f == 0) return 1;
+    if (std::isinf(f) && f < 0) return 0;
+    if constexpr (kLowestHides<T>) {
+      if (lowest_hides && f == static_cast<F>(std::numeric_limits<T>::lowest())) return 0;
+    }
+    return -1;
   }
 }
 
@@ -33,18 +55,19 @@ uint64_t repeated(T x) {
   return word;
 }
 
-// j moved past the elements from j on that equal `word`'s, a word at a time
-// where the row is contiguous (elsewhere not at all): the element-wise loops
-// then take the rest. (A causal (B, 1, L, S) bool mask at L = S = 4096,
-// B = 4, scanned element by element, cost 3-4% of the call where it turned
-// out not to be a band.)
+// j moved past the elements from j on that equal `word`'s (or `other`'s), a
+// word at a time where the row is contiguous (elsewhere not at all): the
+// element-wise loops then take the rest. (A causal (B, 1, L, S) bool mask at
+// L = S = 4096, B = 4, scanned element by element, cost 3-4% of the call
+// where it turned out not to be a band.)
 template <typename T>
-int64_t skip_words(const T* row, int64_t stride, int64_t j, int64_t len, uint64_t word) {
+int64_t skip_words(const T* row, int64_t stride, int64_t j, int64_t len, uint64_t word,
+                   uint64_t other) {
   constexpr int64_t per_word = sizeof(word) / sizeof(T);
   if (stride != 1) return j;
   for (uint64_t w; j + per_word <= len; j += per_word) {
     std::memcpy(&w, row + j, sizeof(w));
-    if (w != word) break;
+    if (w != word && w != other) break;
   }
   return j;
 }
@@ -58,25 +81,36 @@ struct Run {
 // The one run of trues in row (len elements, stride apart), or false where
 // it has two, or a value that is neither true nor false.
 template <typename T>
-bool run_of_trues(const T* row, int64_t stride, int64_t len, Run& run) {
-  // (A bool's true is byte 1, a float mask's 0; false is 0 and -inf.)
-  uint64_t falses = 0, trues = 0;
+bool run_of_trues(const T* row, int64_t stride, int64_t len, bool lowest_hides, Run& run) {
+  // (A bool's true is byte 1, a float mask's 0; false is 0, and −inf or the
+  // lowest value.)
+  uint64_t neg_inf = 0, lowest = 0, trues = 0;
   if constexpr (std::is_same_v<T, uint8_t>) {
     trues = repeated(T(1));
   } else {
-    falses = repeated(T(-std::numeric_limits<float>::infinity()));
+    neg_inf = lowest = repeated(T(-std::numeric_limits<float>::infinity()));
+    if constexpr (kLowestHides<T>) {
+      if (lowest_hides) lowest = repeated(std::numeric_limits<T>::lowest());
+    }
   }
-  int64_t j = skip_words(row, stride, 0, len, falses);
+  int64_t j = skip_words(row, stride, 0, len, neg_inf, lowest);
   int t = 0;
-  while (j < len && (t = truth(row[j * stride])) == 0) ++j;
+  while (j < len && (t = truth(row[j * stride], lowest_hides)) == 0) ++j;
   if (t < 0) return false;
   const int64_t begin = j;
-  j = skip_words(row, stride, j, len, trues);
-  while (j < len && (t = truth(row[j * stride])) == 1) ++j;
+  j = skip_words(row, stride, j, len, trues, trues);
+  while (j < len && (t = truth(row[j * stride], lowest_hides)) == 1) ++j;
   if (t < 0) return false;
   run = j > begin ? Run{begin, j} : Run{};
-  for (j = skip_words(row, stride, j, len, falses); j < len; ++j) {
-    if (truth(row[j * stride]) != 0) return false;
+  for (j = skip_words(row, stride, j, len, neg_inf, lowest); j < len; ++j) {
+    if (truth(row[j * stride], lowest_hides) != 0) return false;
+  }
+  if (run.empty() && neg_inf != lowest) {
+    // A row that sees no key: one only where every key is hidden by −inf
+    // (kLowestHides says why).
+    for (j = skip_words(row, stride, 0, len, neg_inf, neg_inf); j < len; ++j) {
+      if (!std::isinf(static_cast<double>(row[j * stride]))) return false;
+    }
   }
   return true;
 }
@@ -86,7 +120,7 @@ bool run_of_trues(const T* row, int64_t stride, int64_t len, Run& run) {
 // row is not one run, or (same_rows) differs from its batch index's first.
 template <typename T>
 bool runs_of(const at::Tensor& mask, int64_t batches, int64_t batch_stride, int64_t rows,
-             int64_t row_stride, bool same_rows, std::vector<Run>& runs) {
+             int64_t row_stride, bool same_rows, bool lowest_hides, std::vector<Run>& runs) {
   const T* data = static_cast<const T*>(mask.const_data_ptr());
   const int64_t len = mask.size(-1), key_stride = mask.stride(-1);
   runs.resize(batches * rows);
@@ -94,7 +128,7 @@ bool runs_of(const at::Tensor& mask, int64_t batches, int64_t batch_stride, int6
     for (int64_t i = 0; i < rows; ++i) {
       const T* row = data + b * batch_stride + i * row_stride;
       Run& run = runs[b * rows + i];
-      if (!run_of_trues(row, key_stride, len, run)) return false;
+      if (!run_of_trues(row, key_stride, len, lowest_hides, run)) return false;
       const Run& first = runs[b * rows];
       if (same_rows && (run.begin != first.begin || run.end != first.end)) return false;
     }
@@ -106,7 +140,8 @@ bool runs_of(const at::Tensor& mask, int64_t batches, int64_t batch_stride, int6
 
 std::optional<MaskStructure> find_mask_structure(const at::Tensor& mask,
                                                  c10::IntArrayRef outer_shape, int64_t len_q,
-                                                 int64_t len_kv, bool with_band) {
+                                                 int64_t len_kv, bool with_band,
+                                                 bool lowest_hides) {
   const int64_t n = static_cast<int64_t>(outer_shape.size()), dims = mask.dim();
   if (!mask.is_cpu() || n == 0 || outer_shape[0] == 0 || dims < 1 || dims > n + 2) {
     return std::nullopt;  // (reading a device's mask would sync; an empty batch has no rows)
@@ -130,7 +165,8 @@ std::optional<MaskStructure> find_mask_structure(const at::Tensor& mask,
   std::vector<Run> runs;
   auto read = [&](auto element) {
     using T = decltype(element);
-    return runs_of<T>(mask, batches, batch_stride, rows, row_stride, !with_band, runs);
+    return runs_of<T>(mask, batches, batch_stride, rows, row_stride, !with_band, lowest_hides,
+                      runs);
   };
   bool one_run_per_row = false;
   switch (mask.scalar_type()) {

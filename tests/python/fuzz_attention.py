@@ -260,8 +260,9 @@ def draw_sizes(rng, max_work=400_000):
 
 def draw_band_mask(rng, outer, L, S, dtype):
     """A mask that is a causal band (or a sliding window) with per-batch key spans, bool or 0
-    and -inf (the CPU host reads it as the band and spans), one element of it flipped now and
-    then (then it is not, and the mask is read)."""
+    and -inf, or 0 and the dtype's lowest value where every row sees a key (the CPU host reads
+    it as the band and spans), one element of it flipped now and then (then it is not, and
+    the mask is read)."""
     batches = outer[0] if len(outer) >= 2 and rng.random() < 0.6 else 1
     diagonal = rng.randint(-3, max(S - L, 0) + 3)
     window_left = rng.choice([None, None, 0, 2, 9])
@@ -287,8 +288,25 @@ def draw_band_mask(rng, outer, L, S, dtype):
         mask = mask[0]
     if rng.random() < 0.4:
         mdtype = dtype if rng.random() < 0.5 else torch.float32
-        mask = torch.zeros(mask.shape, dtype=mdtype).masked_fill(~mask, -INF)
+        hidden = -INF
+        if mdtype != torch.float16 and bool(mask.any(-1).all()) and rng.random() < 0.5:
+            hidden = torch.finfo(mdtype).min  # (transformers' older float masks)
+        mask = torch.zeros(mask.shape, dtype=mdtype).masked_fill(~mask, hidden)
     return mask
+
+
+def hides_as_neg_inf(pb):
+    """Whether pb's float mask hides keys exactly as a bool one would: 0 and -inf, or 0 and its
+    dtype's lowest value (not float16's) where every row sees a key and the call has no band
+    of its own (README)."""
+    mask = pb.mask
+    hidden = (mask == 0) | (mask == -INF)
+    own_band = pb.is_causal or pb.variants.get("window_left", -1) >= 0 or \
+        pb.variants.get("window_right", -1) >= 0
+    if (mask.dtype in (torch.float32, torch.bfloat16, torch.float64) and not own_band
+            and bool((mask == 0).any(-1).all())):
+        hidden |= mask == torch.finfo(mask.dtype).min
+    return bool(hidden.all())
 
 
 def draw_mask(rng, g, outer, L, S, dtype):
@@ -539,11 +557,10 @@ def check_nonfinite(pb, out, what="output"):
     value where the truth is not finite, nor a wrong finite value (see the module's docstring)."""
     q, k, v = pb.q.double(), pb.k.double(), pb.v.double()
     given_mask = pb.mask
-    if pb.mask is not None and pb.mask.dtype != torch.bool and (
-            (pb.mask == 0) | (pb.mask == -INF)).all():
-        # A float mask of 0 and -inf hides keys as a bool mask does (the CPU host may read it
-        # as a band and key spans, whose hidden keys are never read): the truth leaves them
-        # out, and a NaN or inf they carry may still reach the row (leak, below).
+    if pb.mask is not None and pb.mask.dtype != torch.bool and hides_as_neg_inf(pb):
+        # A float mask of 0 and -inf (or lowest) hides keys as a bool mask does (the CPU host
+        # may read it as a band and key spans, whose hidden keys are never read): the truth
+        # leaves them out, and a NaN or inf they carry may still reach the row (leak, below).
         pb = copy.copy(pb)
         pb.mask = pb.mask == 0
     if pb.mask is not None and pb.mask.dtype != torch.bool:

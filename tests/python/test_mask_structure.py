@@ -1,5 +1,6 @@
 """Masks that say no more than a band and key padding (a causal mask passed explicitly, with
-left or right padding, a static cache's unused slots, a sliding window) are read on the CPU as
+left or right padding, a static cache's unused slots, a sliding window; bool, or float with -inf
+or the dtype's lowest value for hidden keys) are read on the CPU as
 the band and per-batch key spans, and the hidden key blocks are skipped: results, log-sum-exp,
 weights and gradients must be those of the float64 reference with the mask as given, and masks
 that only look like them (one element off, other float values, per-head rows) keep the
@@ -33,6 +34,11 @@ def as_float(mask, dtype=torch.float64):
     return torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, float("-inf"))
 
 
+def as_lowest(mask, dtype=torch.float64):
+    """The float mask that hides with torch.finfo(dtype).min, as transformers' float masks do."""
+    return torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)
+
+
 # transformers' masks (bool, (B, 1, L, S)): causal prefill with left and right padding (the
 # left-padded rows of the first queries see nothing), a static cache's unused slots (S > L),
 # chunked prefill after a cache (bottom-right), a sliding window with padding; and the
@@ -47,6 +53,8 @@ CASES = {
     "tril": lambda L, S: torch.ones(L, S, dtype=torch.bool).tril(),
     "square_subsequent": lambda L, S: torch.nn.Transformer.generate_square_subsequent_mask(
         L, dtype=torch.float64)[:, :S] if L == S else as_float(torch.ones(L, S, dtype=torch.bool).tril()),
+    # (Every row sees a key: see test_lowest_in_rows_that_see_nothing_is_added.)
+    "lowest_right_padding": lambda L, S: as_lowest(CASES["causal_right_padding"](L, S)),
 }
 
 
@@ -84,13 +92,16 @@ def test_band_masks_match_float64(name, L, S, kw):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("name", ["causal_left_padding", "square_subsequent"])
+@pytest.mark.parametrize("name", ["causal_left_padding", "square_subsequent", "lowest_right_padding"])
 def test_band_masks_in_every_dtype(name, dtype):
-    """Bool masks, and float masks of the inputs' dtype (0 and -inf in any float type)."""
+    """Bool masks, and float masks of the inputs' dtype (0 and -inf in any float type; the
+    dtype's lowest value, which float16's is not read as hiding)."""
     L = S = 70
     q, k, v = (torch.randn(B, H, n, E).to(dtype) for n in (L, S, S))
     mask = CASES[name](L, S)
-    if mask.dtype != torch.bool:
+    if name.startswith("lowest"):
+        mask = as_lowest(mask == 0, dtype)
+    elif mask.dtype != torch.bool:
         mask = mask.to(dtype)
     out = fusedmha.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     ref, _, _ = reference_variants(q, k, v, mask)
@@ -102,7 +113,7 @@ def test_band_masks_in_every_dtype(name, dtype):
 @pytest.mark.parametrize("heads", [1, H])
 @pytest.mark.parametrize("Ev", [E, 24])
 @pytest.mark.parametrize("name", ["causal_left_padding", "static_cache", "tril", "square_subsequent",
-                                  "chunked_prefill", "sliding_window"])
+                                  "chunked_prefill", "sliding_window", "lowest_right_padding"])
 def test_keys_no_row_sees_are_never_used(name, Ev, heads, threads):
     """The skip itself: keys that no query of a batch index sees (left padding, a static
     cache's slots past the last query, keys left of a window) may hold NaN in K and V, and the
@@ -149,8 +160,11 @@ def near_misses(L, S):
     other_values[0, 0, 3, 2] = -1e9  # (a large negative, not -inf)
     wrong_diagonal = base.clone()
     wrong_diagonal[2, 0, 45, 45] = False  # (one row ends one key early)
+    near_lowest = as_lowest(CASES["causal_right_padding"](L, S))
+    near_lowest[0, 0, 33, 50] = torch.finfo(torch.float64).min / 2
     return dict(one_off_left=one_off_left, one_off_right=one_off_right, hole=hole,
-                per_head=per_head, other_values=other_values, wrong_diagonal=wrong_diagonal)
+                per_head=per_head, other_values=other_values, wrong_diagonal=wrong_diagonal,
+                near_lowest=near_lowest)
 
 
 @pytest.mark.parametrize("name", list(near_misses(70, 70)))
@@ -158,6 +172,64 @@ def test_masks_that_only_look_like_bands(name):
     L = S = 70
     q, k, v = (torch.randn(B, H, n, E, dtype=torch.float64, requires_grad=True) for n in (L, S, S))
     check(q, k, v, near_misses(L, S)[name])
+
+
+@pytest.mark.parametrize("rows", ["left_padding", "a_batch_index"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_lowest_in_rows_that_see_nothing_is_added(dtype, rows):
+    """A row whose keys are all hidden by the lowest value averages them (every score is that
+    value), as the float64 reference does: such a mask is read as a mask, not as a band with
+    empty rows (which would give zeros, as -inf does). (Forward only: the backward's
+    probabilities exp(s - lse) are 1 there, not 1/S, since lse = max + log(S) rounds to the
+    max at that size; PyTorch's fused CPU kernel does the same.)"""
+    L = S = 40
+    q, k, v = (torch.randn(B, H, n, E, dtype=dtype) for n in (L, S, S))
+    if rows == "left_padding":
+        mask = as_lowest(CASES["causal_left_padding"](L, S), dtype)
+    else:  # (key padding in which batch index 1 sees no key)
+        lengths = torch.tensor([S, 0, 17])[:, None, None, None]
+        mask = as_lowest(torch.arange(S) < lengths, dtype)
+    out = fusedmha.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    ref, _, _ = reference_variants(q, k, v, mask)
+    empty = (mask != 0).all(dim=-1, keepdim=True).expand_as(out)  # (the rows that see nothing)
+    assert empty.any() and out[empty].abs().sum() > 0
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else {}
+    torch.testing.assert_close(out, ref.to(dtype), **tol)
+
+
+@pytest.mark.parametrize("band", [dict(is_causal=True), dict(window_left=3, window_right=0)])
+def test_lowest_beside_a_band_of_the_calls_own_is_added(band):
+    """Left padding hidden by the lowest value on a call with a band of its own: the first
+    rows of a padded batch index see, within their band, only keys that value hides, and
+    average them (the reference), so there the value is read as a value, not as a span that
+    would leave those rows empty. (Forward only, as above.)"""
+    L = S = 40
+    q, k, v = (torch.randn(B, H, n, E, dtype=torch.float64) for n in (L, S, S))
+    begins = torch.tensor([0, 5, 29])[:, None, None, None]
+    mask = as_lowest(torch.arange(S) >= begins)  # (B, 1, 1, S)
+    band = dict(band)
+    is_causal = band.pop("is_causal", False)
+    out, lse, _ = torch.ops.fusedmha.attention_forward(q, k, v, mask, 0.0, is_causal, **band)
+    ref, ref_lse, _ = reference_variants(q, k, v, mask, is_causal=is_causal, **band)
+    assert out[2, :, :29].abs().sum() > 0
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(lse, ref_lse)
+
+
+def test_float16_lowest_is_added_as_a_value():
+    """float16's lowest, -65504, is a value the scores can pass: a hidden key whose score is
+    100000 above the visible one's still wins, as in PyTorch's SDPA. (Read as hiding the key,
+    as -inf does, the row would be the visible key's value row.)"""
+    q = torch.full((1, 1, 2, 16), 158.0, dtype=torch.float16)
+    k = torch.zeros(1, 1, 2, 16, dtype=torch.float16)
+    k[0, 0, 1] = 158.0  # (query · key 1 · scale ≈ 99856)
+    v = torch.tensor([[1.0] * 16, [-1.0] * 16], dtype=torch.float16)[None, None]
+    mask = as_lowest(torch.ones(2, 2, dtype=torch.bool).tril(), torch.float16)
+    out = fusedmha.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(),
+                                                           attn_mask=mask.float())
+    assert ref[0, 0, 0, 0] == -1.0  # (row 0 takes the hidden key's value)
+    torch.testing.assert_close(out.float(), ref)
 
 
 def test_band_mask_with_a_band_of_its_own():
