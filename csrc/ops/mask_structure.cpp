@@ -168,6 +168,35 @@ bool runs_of(const at::Tensor& mask, int64_t batches, int64_t batch_stride, int6
   return all_runs;
 }
 
+// Whether every index of dim d of mask holds the same bytes as index 0 does:
+// row by row (the last dim contiguous; otherwise false), the rows split among
+// the threads, each stopping once any has found a difference.
+bool repeats_along(const at::Tensor& mask, int64_t d) {
+  const int64_t dims = mask.dim(), len = mask.size(-1);
+  if (mask.stride(-1) != 1) return false;
+  const int64_t size = static_cast<int64_t>(mask.element_size()), row_bytes = len * size;
+  const c10::IntArrayRef sizes = mask.sizes(), strides = mask.strides();
+  const char* data = static_cast<const char*>(mask.const_data_ptr());
+  std::atomic<bool> same{true};
+  at::parallel_for(0, mask.numel() / len, std::max<int64_t>(kRowsGrainBytes / row_bytes, 1),
+                   [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end && same.load(std::memory_order_relaxed); ++r) {
+      // Row r's index (dims before the last, the last of them fastest).
+      int64_t offset = 0, at_d = 0;
+      for (int64_t k = dims - 2, rest = r; k >= 0; --k) {
+        const int64_t index = rest % sizes[k];
+        rest /= sizes[k];
+        offset += index * strides[k];
+        if (k == d) at_d = index;
+      }
+      if (at_d == 0) continue;
+      const char* row = data + offset * size;
+      if (std::memcmp(row, row - at_d * strides[d] * size, row_bytes) != 0) same = false;
+    }
+  });
+  return same;
+}
+
 }  // namespace
 
 std::optional<MaskStructure> find_mask_structure(const at::Tensor& mask,
@@ -181,12 +210,19 @@ std::optional<MaskStructure> find_mask_structure(const at::Tensor& mask,
   if (mask.size(-1) != len_kv || mask.numel() == 0) return std::nullopt;
   // Only the batch dim may tell outer indices apart (and only beside a head
   // dim: with one outer dim it may be the heads of a 3-d call). Dims of
-  // stride 0 (expanded) tell nothing apart.
+  // stride 0 (expanded) tell nothing apart, and nor do others whose indices
+  // all hold what index 0 does (a mask repeated per head, as a (N·H, L, S)
+  // one made with repeat_interleave): those are read at index 0, and checked
+  // once index 0 turns out to be a band and key spans.
   int64_t batches = 1, batch_stride = 0;
+  std::vector<int64_t> repeated;
   for (int64_t d = 0; d < dims - 2; ++d) {
     if (mask.size(d) == 1 || mask.stride(d) == 0) continue;
-    if (d != dims - 2 - n || n < 2) return std::nullopt;  // (d aligned with outer dim 0)
-    batches = mask.size(d), batch_stride = mask.stride(d);
+    if (d == dims - 2 - n && n >= 2) {  // (d aligned with outer dim 0)
+      batches = mask.size(d), batch_stride = mask.stride(d);
+    } else {
+      repeated.push_back(d);
+    }
   }
   const int64_t rows = dims >= 2 && mask.stride(-2) != 0 ? mask.size(-2) : 1;
   if (rows != 1 && rows != len_q) return std::nullopt;
@@ -257,6 +293,9 @@ std::optional<MaskStructure> find_mask_structure(const at::Tensor& mask,
       const Run got = runs[b * rows + i];
       if (got.begin != want.begin || got.end != want.end) return std::nullopt;
     }
+  }
+  for (const int64_t d : repeated) {
+    if (!repeats_along(mask, d)) return std::nullopt;
   }
   return s;
 }

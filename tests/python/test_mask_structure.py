@@ -110,7 +110,7 @@ def test_band_masks_in_every_dtype(name, dtype):
 
 
 @pytest.mark.parametrize("threads", [1, 3])
-@pytest.mark.parametrize("heads", [1, H])
+@pytest.mark.parametrize("heads", [1, H, "copies"])
 @pytest.mark.parametrize("Ev", [E, 24])
 @pytest.mark.parametrize("name", ["causal_left_padding", "static_cache", "tril", "square_subsequent",
                                   "chunked_prefill", "sliding_window", "lowest_right_padding"])
@@ -118,14 +118,15 @@ def test_keys_no_row_sees_are_never_used(name, Ev, heads, threads):
     """The skip itself: keys that no query of a batch index sees (left padding, a static
     cache's slots past the last query, keys left of a window) may hold NaN in K and V, and the
     output, the log-sum-exp and the gradients stay finite and those of the reference (0 for
-    those keys); also with the mask expanded over the batch and the heads (stride 0). (The
-    general mask path adds -inf to a NaN score: NaN. So this fails wherever the mask's
-    structure is not recognised.)"""
+    those keys); also with the mask expanded over the batch and the heads (stride 0), or
+    copied for every head (as repeat_interleave makes a (N·H, L, S) mask for
+    nn.MultiheadAttention). (The general mask path adds -inf to a NaN score: NaN. So this
+    fails wherever the mask's structure is not recognised.)"""
     L, S = 150, 300
     q = torch.randn(B, H, L, E, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(B, H, S, n, dtype=torch.float64) for n in (E, Ev))
     mask = CASES[name](L, S)
-    mask = mask.expand(B, heads, L, S)
+    mask = mask.expand(B, H, L, S).contiguous() if heads == "copies" else mask.expand(B, heads, L, S)
     seen = mask if mask.dtype == torch.bool else mask == 0
     unseen = ~seen[:, :1].any(dim=-2).unsqueeze(-1)  # (B, 1, S, 1)
     assert unseen.any()
@@ -257,6 +258,11 @@ def test_multihead_attention_with_a_causal_mask_and_padding_matches_pytorch():
         ref_out, ref_w = ref(x, x, x, attn_mask=attn_mask, key_padding_mask=key_padding_mask)
         torch.testing.assert_close(out, ref_out)
         torch.testing.assert_close(w, ref_w)
+    # The two merged by hand, per batch index, and repeated for each head (N·H, L, S).
+    merged = (causal[None] | padding[:, None, :]).repeat_interleave(4, dim=0)
+    out, _ = mod(x, x, x, attn_mask=merged, need_weights=False)
+    ref_out, _ = ref(x, x, x, attn_mask=merged, need_weights=False)
+    torch.testing.assert_close(out, ref_out)
 
 
 @pytest.mark.parametrize("threads", [1, 3])
