@@ -17,7 +17,7 @@ namespace {
 // Whether a float mask's lowest finite value (torch.finfo(dtype).min, which
 // transformers' float masks and many models use for "hidden") hides a key as
 // −inf does. In float32, bfloat16 and float64 it does, to the bit: added to
-// a score below 2^103 in size it rounds to itself, and its exp relative to
+// a score below 2^103 in size it stays below −3.3e38, whose exp relative to
 // any score a query sees is exactly 0, so skipping the key changes nothing.
 // Except in a row that sees no key: there every score is that same value,
 // and the softmax averages the hidden keys (where −inf gives zeros), so such
@@ -168,30 +168,42 @@ bool runs_of(const at::Tensor& mask, int64_t batches, int64_t batch_stride, int6
   return all_runs;
 }
 
-// Whether every index of dim d of mask holds the same bytes as index 0 does:
-// row by row (the last dim contiguous; otherwise false), the rows split among
-// the threads, each stopping once any has found a difference.
-bool repeats_along(const at::Tensor& mask, int64_t d) {
-  const int64_t dims = mask.dim(), len = mask.size(-1);
+// Whether every index of the dims `repeated` of mask holds the same bytes as
+// index 0 of them all does: row by row (the last dim contiguous; otherwise
+// false), in one pass over the rows stored (dims of stride 0 hold one copy),
+// split among the threads, each stopping once any has found a difference.
+bool repeats_along(const at::Tensor& mask, const std::vector<int64_t>& repeated) {
   if (mask.stride(-1) != 1) return false;
-  const int64_t size = static_cast<int64_t>(mask.element_size()), row_bytes = len * size;
-  const c10::IntArrayRef sizes = mask.sizes(), strides = mask.strides();
+  const int64_t len = mask.size(-1), size = static_cast<int64_t>(mask.element_size());
+  struct Dim {
+    int64_t size, stride;
+    bool repeated;
+  };
+  std::vector<Dim> dims;  // (the stored dims before the last, outermost first)
+  int64_t rows = 1;
+  for (int64_t d = 0; d < mask.dim() - 1; ++d) {
+    if (mask.size(d) == 1 || mask.stride(d) == 0) continue;
+    const bool r = std::find(repeated.begin(), repeated.end(), d) != repeated.end();
+    dims.push_back({mask.size(d), mask.stride(d), r});
+    rows *= mask.size(d);
+  }
   const char* data = static_cast<const char*>(mask.const_data_ptr());
   std::atomic<bool> same{true};
-  at::parallel_for(0, mask.numel() / len, std::max<int64_t>(kRowsGrainBytes / row_bytes, 1),
+  at::parallel_for(0, rows, std::max<int64_t>(kRowsGrainBytes / (len * size), 1),
                    [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end && same.load(std::memory_order_relaxed); ++r) {
-      // Row r's index (dims before the last, the last of them fastest).
-      int64_t offset = 0, at_d = 0;
-      for (int64_t k = dims - 2, rest = r; k >= 0; --k) {
-        const int64_t index = rest % sizes[k];
-        rest /= sizes[k];
-        offset += index * strides[k];
-        if (k == d) at_d = index;
+      // Row r's offset, and that of its copy at index 0 of the repeated dims.
+      int64_t offset = 0, first = 0;
+      for (int64_t k = static_cast<int64_t>(dims.size()) - 1, rest = r; k >= 0; --k) {
+        const int64_t index = rest % dims[k].size;
+        rest /= dims[k].size;
+        offset += index * dims[k].stride;
+        if (!dims[k].repeated) first += index * dims[k].stride;
       }
-      if (at_d == 0) continue;
-      const char* row = data + offset * size;
-      if (std::memcmp(row, row - at_d * strides[d] * size, row_bytes) != 0) same = false;
+      if (offset != first &&
+          std::memcmp(data + offset * size, data + first * size, len * size) != 0) {
+        same = false;
+      }
     }
   });
   return same;
@@ -215,13 +227,13 @@ std::optional<MaskStructure> find_mask_structure(const at::Tensor& mask,
   // one made with repeat_interleave): those are read at index 0, and checked
   // once index 0 turns out to be a band and key spans.
   int64_t batches = 1, batch_stride = 0;
-  std::vector<int64_t> repeated;
+  std::vector<int64_t> repeated_dims;
   for (int64_t d = 0; d < dims - 2; ++d) {
     if (mask.size(d) == 1 || mask.stride(d) == 0) continue;
     if (d == dims - 2 - n && n >= 2) {  // (d aligned with outer dim 0)
       batches = mask.size(d), batch_stride = mask.stride(d);
     } else {
-      repeated.push_back(d);
+      repeated_dims.push_back(d);
     }
   }
   const int64_t rows = dims >= 2 && mask.stride(-2) != 0 ? mask.size(-2) : 1;
@@ -294,9 +306,7 @@ std::optional<MaskStructure> find_mask_structure(const at::Tensor& mask,
       if (got.begin != want.begin || got.end != want.end) return std::nullopt;
     }
   }
-  for (const int64_t d : repeated) {
-    if (!repeats_along(mask, d)) return std::nullopt;
-  }
+  if (!repeated_dims.empty() && !repeats_along(mask, repeated_dims)) return std::nullopt;
   return s;
 }
 

@@ -40,9 +40,9 @@ struct MaskStructure {
 // first, then heads and others), len_q queries and len_kv keys, read in
 // place through its strides; nullopt where it is not of that form, or varies
 // over any outer dim but the first (one whose indices all hold the same
-// bytes, as a mask copied for every head, does not vary), or has an empty batch. with_band false:
-// key spans only (a band would change something else, such as ALiBi's
-// distances, or the call has a band already). lowest_hides false: the lowest
+// bytes, as a mask copied for every head, does not vary), or has an empty
+// batch. with_band false: key spans only (a band would change something
+// else, such as ALiBi's distances, or the call has a band already). lowest_hides false: the lowest
 // value is a value (the call has a band of its own, which could leave a row
 // only keys that value hides: they would be averaged, not skipped).
 std::optional<MaskStructure> find_mask_structure(const at::Tensor& mask,

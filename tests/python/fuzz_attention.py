@@ -286,6 +286,8 @@ def draw_band_mask(rng, outer, L, S, dtype):
         mask = mask.view([batches] + [1] * (len(outer) - 1) + [L, S])
     elif not outer or rng.random() < 0.5:  # ((L, S); (1, L, S) only beside an outer dim)
         mask = mask[0]
+    if outer and rng.random() < 0.2:  # (copied for every head, as repeat_interleave makes it)
+        mask = mask.expand(list(outer) + [L, S]).contiguous()
     if rng.random() < 0.4:
         mdtype = dtype if rng.random() < 0.5 else torch.float32
         hidden = -INF

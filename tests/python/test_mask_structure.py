@@ -161,11 +161,8 @@ def near_misses(L, S):
     other_values[0, 0, 3, 2] = -1e9  # (a large negative, not -inf)
     wrong_diagonal = base.clone()
     wrong_diagonal[2, 0, 45, 45] = False  # (one row ends one key early)
-    near_lowest = as_lowest(CASES["causal_right_padding"](L, S))
-    near_lowest[0, 0, 33, 50] = torch.finfo(torch.float64).min / 2
     return dict(one_off_left=one_off_left, one_off_right=one_off_right, hole=hole,
-                per_head=per_head, other_values=other_values, wrong_diagonal=wrong_diagonal,
-                near_lowest=near_lowest)
+                per_head=per_head, other_values=other_values, wrong_diagonal=wrong_diagonal)
 
 
 @pytest.mark.parametrize("name", list(near_misses(70, 70)))
@@ -215,6 +212,75 @@ def test_lowest_beside_a_band_of_the_calls_own_is_added(band):
     assert out[2, :, :29].abs().sum() > 0
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(lse, ref_lse)
+
+
+def nan_in_unseen_keys(k, v, mask):
+    """k and v with NaN at the keys that no row of their batch index sees in mask (B, 1, L, S)
+    or (B, H, L, S), bool or float (0 = visible)."""
+    seen = mask if mask.dtype == torch.bool else mask == 0
+    unseen = ~seen[:, :1].any(dim=-2).unsqueeze(-1)  # (B, 1, S, 1)
+    assert unseen.any()
+    return k.masked_fill(unseen, float("nan")), v.masked_fill(unseen, float("nan"))
+
+
+@pytest.mark.parametrize("copies", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lowest_skips_unseen_keys_in_every_dtype(dtype, copies):
+    """In float32 and bfloat16 as in float64, a mask that hides with the lowest value is read as
+    spans and a band: NaN in the keys no row sees stays out. With copies, 3-d inputs (N, L, E)
+    and the mask copied for every N (as for the heads of nn.MultiheadAttention's 3-d calls)."""
+    L = S = 70
+    mask = as_lowest(CASES["causal_right_padding"](L, S), dtype)  # (B, 1, L, S)
+    q, k, v = (torch.randn(B, H, L, E, dtype=dtype) for _ in range(3))
+    if copies:  # (one batch index's mask, B·H copies of it)
+        mask = mask[1:2].expand(B, H, L, S)
+        q, k, v = (t.reshape(B * H, L, E) for t in (q, k, v))
+        nan_k, nan_v = nan_in_unseen_keys(k.view(B, H, L, E), v.view(B, H, L, E), mask)
+        nan_k, nan_v = nan_k.view(B * H, L, E), nan_v.view(B * H, L, E)
+        mask = mask.reshape(B * H, L, S).contiguous()
+    else:
+        nan_k, nan_v = nan_in_unseen_keys(k, v, mask)
+    out = fusedmha.scaled_dot_product_attention(q, nan_k, nan_v, attn_mask=mask)
+    ref, _, _ = reference_variants(q, k, v, mask)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else {}
+    torch.testing.assert_close(out, ref.to(dtype), **tol)
+
+
+def test_a_value_near_the_lowest_is_a_value():
+    """Only the exact lowest hides: half of it, even where the band hides the key anyway,
+    makes the mask one to add, so the NaN in the keys that no row sees reaches their rows
+    (the general path adds the mask to a NaN score: NaN), where without it they stay out."""
+    L = S = 40
+    q, k, v = (torch.randn(B, H, n, E, dtype=torch.float64) for n in (L, S, S))
+    mask = as_lowest(CASES["causal_right_padding"](L, S))
+    nan_k, nan_v = nan_in_unseen_keys(k, v, mask)
+    assert fusedmha.scaled_dot_product_attention(q, nan_k, nan_v, attn_mask=mask).isfinite().all()
+    mask[0, 0, 33, 35] = torch.finfo(torch.float64).min / 2  # (right of row 33's diagonal)
+    out = fusedmha.scaled_dot_product_attention(q, nan_k, nan_v, attn_mask=mask)
+    assert out[1:].isnan().any() and out[0].isfinite().all()
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_large_masks_read_by_several_threads(threads):
+    """A mask of several MB, whose rows the scan splits among the threads: read as a band and
+    key spans (NaN in the keys no row sees stays out), and with a hole in its very last row
+    (found by whichever thread reads it), read as a mask (the NaN reaches the rows)."""
+    L = S = 1536
+    mask = band_mask(L, S, begins=(0, 700))  # (2, 1, L, S) bool, 4.7 MB
+    q, k, v = (torch.randn(2, 1, n, 8) for n in (L, S, S))
+    nan_k, nan_v = nan_in_unseen_keys(k, v, mask)
+    hole = mask.clone()
+    hole[1, 0, L - 1, 1000] = False
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = fusedmha.scaled_dot_product_attention(q, nan_k, nan_v, attn_mask=mask)
+        out_hole = fusedmha.scaled_dot_product_attention(q, nan_k, nan_v, attn_mask=hole)
+    finally:
+        torch.set_num_threads(before)
+    ref, _, _ = reference_variants(q, k, v, mask)
+    torch.testing.assert_close(out, ref.float(), rtol=1e-4, atol=1e-5)
+    assert out_hole[1].isnan().any()
 
 
 def test_float16_lowest_is_added_as_a_value():
