@@ -42,9 +42,10 @@ struct MaskStructure {
 // over any outer dim but the first (one whose indices all hold the same
 // bytes, as a mask copied for every head, does not vary), or has an empty
 // batch. with_band false: key spans only (a band would change something
-// else, such as ALiBi's distances, or the call has a band already). lowest_hides false: the lowest
-// value is a value (the call has a band of its own, which could leave a row
-// only keys that value hides: they would be averaged, not skipped).
+// else, such as ALiBi's distances, or the call has a band already).
+// lowest_hides false: the lowest value is a value (the call has a band of its
+// own, which could leave a row only keys that value hides: they would be
+// averaged, not skipped).
 std::optional<MaskStructure> find_mask_structure(const at::Tensor& mask,
                                                  c10::IntArrayRef outer_shape, int64_t len_q,
                                                  int64_t len_kv, bool with_band,
