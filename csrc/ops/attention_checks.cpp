@@ -147,8 +147,8 @@ void check_attention_inputs(const char* op,
     std::vector<c10::SymInt> target = outer;
     target.push_back(query.sym_size(-2));
     target.push_back(key.sym_size(-2));
-    TORCH_CHECK(mask_broadcasts_to(mask.sym_sizes(), target), op, ": attn_mask of shape ", shape_str(mask.sym_sizes()),
-                " is not broadcastable to the attention shape (..., H, L, S) = ",
+    TORCH_CHECK(mask_broadcasts_to(mask.sym_sizes(), target), op, ": attn_mask of shape ",
+                shape_str(mask.sym_sizes()), " is not broadcastable to the attention shape (..., H, L, S) = ",
                 shape_str(target));
   }
   TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, op,

@@ -42,15 +42,15 @@ at::Tensor returned_rng_state(const at::Tensor& drawn,
 void check_variants(const char* op, const at::Tensor& query,
                     const std::vector<c10::SymInt>& outer, const AttentionVariants& variants);
 
+// Whether a mask of these sizes broadcasts to target (no more dims, and each
+// of its trailing dims 1 or target's).
+bool mask_broadcasts_to(c10::SymIntArrayRef mask, c10::SymIntArrayRef target);
+
 // query (..., L, E), key (..., S, E), value (..., S, Ev): dtypes, devices,
 // matching dims, broadcastable batch/head dims (or GQA), attn_mask dtype and
 // shape, dropout_p in [0, 1), scale finite and >= 0, and the variants: window
 // bounds >= -1, softcap finite and >= 0, alibi_slopes (H) or (B, H) and sinks
 // (H), floating, on the query's device.
-// Whether a mask of these sizes broadcasts to target (no more dims, and each
-// of its trailing dims 1 or target's).
-bool mask_broadcasts_to(c10::SymIntArrayRef mask, c10::SymIntArrayRef target);
-
 void check_attention_inputs(const char* op,
                             const at::Tensor& query,
                             const at::Tensor& key,
