@@ -81,7 +81,8 @@ at::Tensor per_sequence(const OptTensor& t, int64_t B, int64_t fallback, const c
               t->scalar_type(), " of shape ", t->sizes());
   TORCH_CHECK(t->device() == device || t->is_cpu(), kOp, ": expected ", name,
               " on q's device (", device, ") or the CPU, got ", t->device());
-  return t->to(device, at::kInt);
+  // (Without a to() call where it would return t: a dispatch that costs a cold step time.)
+  return t->device() == device && t->scalar_type() == at::kInt ? *t : t->to(device, at::kInt);
 }
 
 // 0, 1, ..., n - 1.
@@ -195,7 +196,9 @@ class RowAppend {
             const std::vector<std::pair<int64_t, int64_t>>& places)
       : row_bytes_(cache.size(2) * cache.size(3) * cache.element_size()) {
     if (row_bytes_ == 0) return;  // (rows of no elements: nothing to copy, no buffers)
-    const at::Tensor src = rows.to(cache.scalar_type()).contiguous();
+    const at::Tensor src = rows.scalar_type() == cache.scalar_type() && rows.is_contiguous()
+                               ? rows
+                               : rows.to(cache.scalar_type()).contiguous();
     const char* from = static_cast<const char*>(src.const_data_ptr());
     char* base = static_cast<char*>(cache.mutable_data_ptr());
     saved_.resize(places.size() * row_bytes_);
@@ -343,7 +346,8 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_composite(
     const OptTensor& cache_seqlens, const OptTensor& cache_batch_idx,
     const OptTensor& cache_leftpad, const OptTensor& block_table, std::optional<double> scale,
     bool is_causal, bool rotary_interleaved, int64_t window_left, int64_t window_right,
-    double softcap, const OptTensor& alibi_slopes, const OptTensor& sinks) {
+    double softcap, const OptTensor& alibi_slopes, const OptTensor& sinks,
+    std::optional<int64_t> cache_seqlens_value) {
   const at::NoGradGuard inference_only;
   TORCH_CHECK(q.dim() == 4 && k_cache.dim() == 4 && v_cache.dim() == 4, kOp,
               ": expected q (B, L, H, E) and k_cache/v_cache (B_cache, S_cache, H_kv, E) or "
@@ -377,9 +381,19 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_composite(
   const int64_t rows_per_sequence = paged ? page * block_table->size(1) : page;
   const int64_t added = k.has_value() ? k->size(1) : 0;
   const at::Device device = q.device();
-  TORCH_CHECK(cache_seqlens.has_value() || !k.has_value(), kOp,
+  TORCH_CHECK(!(cache_seqlens.has_value() && cache_seqlens_value.has_value()), kOp,
+              ": pass cache_seqlens as a tensor or as cache_seqlens_value, not both");
+  TORCH_CHECK(cache_seqlens.has_value() || cache_seqlens_value.has_value() || !k.has_value(), kOp,
               ": cache_seqlens is needed to append k/v");
-  const at::Tensor seqlens = per_sequence(cache_seqlens, B, rows_per_sequence, "cache_seqlens", device);
+  // (Checked before it becomes an int32 tensor, where a value past 2^31 would wrap.)
+  TORCH_CHECK(!cache_seqlens_value.has_value() ||
+                  (*cache_seqlens_value >= 0 && *cache_seqlens_value + added <= rows_per_sequence),
+              kOp, ": cache_seqlens + ", added, " new rows must fit the cache's ",
+              rows_per_sequence, " rows per sequence, and cache_seqlens >= 0; got cache_seqlens ",
+              cache_seqlens_value.value_or(0));
+  const at::Tensor seqlens = per_sequence(cache_seqlens, B,
+                                          cache_seqlens_value.value_or(rows_per_sequence),
+                                          "cache_seqlens", device);
   const at::Tensor leftpad = per_sequence(cache_leftpad, B, 0, "cache_leftpad", device);
   if (k.has_value()) {
     TORCH_CHECK(k->dim() == 4 && k->size(0) == B && k->size(2) == k_cache.size(2) &&

@@ -141,6 +141,8 @@ def test_decode_steps_equal_attention_over_the_whole_sequence():
     (dict(block_table=torch.zeros(1, 1, dtype=torch.int32), cache_leftpad=torch.zeros(
         1, dtype=torch.int32)), "not supported with block_table"),
     (dict(cache_seqlens=39), "must fit"),
+    (dict(cache_seqlens=-1), "must fit"),
+    (dict(cache_seqlens=2**32 + 3), "must fit"),  # (not wrapped to 3 in int32)
     (dict(k=None), "k and v together"),
     (dict(cache_seqlens=None), "cache_seqlens is needed"),
     (dict(cache_seqlens=torch.tensor([1, 2], dtype=torch.int32)), r"shape \(B\) = \(1\)"),
@@ -158,6 +160,37 @@ def test_bad_inputs_get_clear_errors(call, message):
     with pytest.raises(RuntimeError, match=message) as info:
         fusedmha.flash_attn_with_kvcache(**args)
     assert "fusedmha.attention_with_kvcache" in str(info.value)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(window_size=(5, 0), softcap=3.0)])
+def test_an_int_cache_seqlens_equals_the_tensor(paged, kw):
+    """flash_attn's int form goes to the op as cache_seqlens_value, with no tensor made for it:
+    the same output, log-sum-exp and caches as the int32 tensor, bit for bit."""
+    B, S_cache, new, page = 2, 64, 2, 16
+    q = torch.randn(B, new, H, E)
+    k, v = torch.randn(B, new, H_KV, E), torch.randn(B, new, H_KV, E)
+    shape = (B * S_cache // page, page, H_KV, E) if paged else (B, S_cache, H_KV, E)
+    caches = torch.randn(2, *shape)
+    table = (torch.randperm(B * S_cache // page).view(B, -1).to(torch.int32) if paged else None)
+    results = []
+    for seqlens in (37, torch.full((B,), 37, dtype=torch.int32)):
+        k_cache, v_cache = caches[0].clone(), caches[1].clone()
+        out, lse = fusedmha.flash_attn_with_kvcache(q, k_cache, v_cache, k, v,
+                                                    cache_seqlens=seqlens, block_table=table,
+                                                    return_softmax_lse=True, **kw)
+        results.append((out, lse, k_cache, v_cache))
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
+
+
+def test_the_op_takes_cache_seqlens_one_way():
+    q = torch.randn(1, 1, H, E)
+    k_cache, v_cache = torch.zeros(1, 40, H_KV, E), torch.zeros(1, 40, H_KV, E)
+    with pytest.raises(RuntimeError, match="not both"):
+        torch.ops.fusedmha.attention_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=torch.tensor([3], dtype=torch.int32),
+            cache_seqlens_value=3)
 
 
 @pytest.mark.parametrize("new", [1, 2])
