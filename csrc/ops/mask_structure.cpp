@@ -160,8 +160,10 @@ bool runs_of(const at::Tensor& mask, int64_t batches, int64_t batch_stride, int6
     for (int64_t r = begin; r < end && all_runs.load(std::memory_order_relaxed); ++r) {
       if (same_rows && r % rows == 0) continue;
       const Run& first = runs[r / rows * rows];
-      const bool as_first = runs[r].begin == first.begin && runs[r].end == first.end;
-      if (!read_row(r) || (same_rows && !as_first)) all_runs = false;
+      if (!read_row(r) ||
+          (same_rows && (runs[r].begin != first.begin || runs[r].end != first.end))) {
+        all_runs = false;
+      }
     }
   });
   return all_runs;

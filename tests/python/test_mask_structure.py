@@ -223,6 +223,34 @@ def nan_in_unseen_keys(k, v, mask):
     return k.masked_fill(unseen, float("nan")), v.masked_fill(unseen, float("nan"))
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("kw", [dict(alibi_slopes=True), dict(window_left=200, window_right=200)])
+def test_key_padding_rows_beside_alibi_or_a_window_are_key_spans(kw, threads):
+    """Where the call reads the diagonal (ALiBi) or has a band of its own, a (B, 1, L, S) mask
+    whose rows are all one run (key padding, as BLOOM's and MPT's callers pass it) still
+    becomes key spans: its padded keys may hold NaN. (Each row is compared with its batch
+    index's first after it is read: compared before, with the rows split among threads, every
+    such mask was refused.)"""
+    L, S = 40, 300
+    kw = dict(kw)
+    if kw.pop("alibi_slopes", False):
+        kw["alibi_slopes"] = torch.rand(H, dtype=torch.float64)
+    q = torch.randn(B, H, L, E, dtype=torch.float64)
+    k, v = (torch.randn(B, H, S, E, dtype=torch.float64) for _ in range(2))
+    lengths = torch.tensor([S, 170, 90])
+    mask = (torch.arange(S) < lengths[:, None]).view(B, 1, 1, S).expand(B, 1, L, S).contiguous()
+    nan_k, nan_v = nan_in_unseen_keys(k, v, mask)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, lse, _ = torch.ops.fusedmha.attention_forward(q, nan_k, nan_v, mask, 0.0, False, **kw)
+    finally:
+        torch.set_num_threads(before)
+    ref, ref_lse, _ = reference_variants(q, k, v, mask, **kw)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(lse, ref_lse)
+
+
 @pytest.mark.parametrize("copies", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_lowest_skips_unseen_keys_in_every_dtype(dtype, copies):
