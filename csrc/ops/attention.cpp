@@ -163,7 +163,7 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache(const at::Tensor& q, a
       const at::Tensor&, at::Tensor&, at::Tensor&, const OptTensor&, const OptTensor&,
       const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&,
       const OptTensor&, std::optional<double>, bool, bool, int64_t, int64_t, double,
-      const OptTensor&, const OptTensor&, std::optional<int64_t>);
+      const OptTensor&, const OptTensor&, std::optional<c10::SymInt>);
   static const auto op = find_op<Signature>("fusedmha::attention_with_kvcache");
   return op.call(q, k_cache, v_cache, step.k, step.v, step.rotary_cos, step.rotary_sin,
                  step.cache_seqlens, step.cache_batch_idx, step.cache_leftpad, step.block_table,

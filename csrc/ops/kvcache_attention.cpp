@@ -10,8 +10,12 @@
 //    query heads it serves);
 //  - otherwise: varlen_attention_forward over the cache as a packed batch,
 //    each sequence from its left padding, seqused_k keys long.
-// Composed of ATen ops and fusedmha's ops (CompositeImplicitAutograd), for
-// inference: no gradients.
+// For inference: no gradients. Composed of ATen ops and fusedmha's ops, but
+// registered for the CPU and CUDA keys with a shape kernel (Meta), so that
+// torch.compile sees one opaque op: its paths read the lengths on the host,
+// which fake tensors do not have. It computes in the caches' dtype: autocast
+// does not reach the ops it calls (a cast of the whole cache each step, and
+// only where one path has an autocast kernel).
 
 #include "ops/attention_checks.h"
 
@@ -19,6 +23,8 @@
 
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -223,6 +229,20 @@ class RowAppend {
   std::vector<char*> rows_;
 };
 
+// The caches and the new rows on q's device: checked by the shape kernel too,
+// where a meta tensor among CPU ones sends the call.
+void check_devices(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                   const OptTensor& k, const OptTensor& v) {
+  TORCH_CHECK(k_cache.device() == q.device() && v_cache.device() == q.device(), kOp,
+              ": expected k_cache and v_cache on q's device (", q.device(), "), got ",
+              k_cache.device(), " and ", v_cache.device());
+  if (k.has_value() && v.has_value()) {
+    TORCH_CHECK(k->device() == q.device() && v->device() == q.device(), kOp,
+                ": expected k and v on q's device (", q.device(), "), got ", k->device(), " and ",
+                v->device());
+  }
+}
+
 // The caches are written in place: each must hold distinct elements (not an
 // expand()ed view) and share none with the other or with the new rows, or
 // a write would land on rows that are read or written again. Their dtype and
@@ -235,13 +255,8 @@ void check_caches(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
               kOp, ": expected k_cache and v_cache of q's dtype (", q.scalar_type(), "), got ",
               k_cache.scalar_type(), " and ", v_cache.scalar_type());
-  TORCH_CHECK(k_cache.device() == q.device() && v_cache.device() == q.device(), kOp,
-              ": expected k_cache and v_cache on q's device (", q.device(), "), got ",
-              k_cache.device(), " and ", v_cache.device());
+  check_devices(q, k_cache, v_cache, k, v);
   if (k.has_value() && v.has_value()) {
-    TORCH_CHECK(k->device() == q.device() && v->device() == q.device(), kOp,
-                ": expected k and v on q's device (", q.device(), "), got ", k->device(), " and ",
-                v->device());
     TORCH_CHECK(at::isFloatingType(k->scalar_type()) && at::isFloatingType(v->scalar_type()), kOp,
                 ": expected floating-point k and v, got ", k->scalar_type(), " and ",
                 v->scalar_type());
@@ -288,17 +303,16 @@ std::tuple<at::Tensor, at::Tensor> attend(
   auto packed_q = [&] { return query.reshape({B * L, query.size(2), query.size(3)}); };
   auto used = [&] { return seqlens.add(added); };
   // (B·L rows, H) out and (H, B·L) lse as flash_attn returns them: (B, L, H, E), (B, H, L).
-  // (contiguous, whichever path ran: the meta kernel cannot know which)
+  // (contiguous, whichever path ran: the meta kernel below cannot know which)
   auto unpack = [&](const at::Tensor& out, const at::Tensor& lse) {
     return std::make_tuple(out.view({B, L, out.size(1), out.size(2)}),
                            lse.view({lse.size(0), B, L}).transpose(0, 1).contiguous());
   };
-  // (on the meta device nothing can be read: any left padding is taken as some)
   const bool no_leftpad =
       !has_leftpad ||
       (on_cpu ? std::all_of(leftpad_host.begin(), leftpad_host.end(),
                             [](int64_t x) { return x == 0; })
-              : !device.is_meta() && !leftpad.any().item<bool>());
+              : !leftpad.any().item<bool>());
   // (caches of no rows are no pages: they take the last path)
   if (paged || (chosen_caches && no_leftpad && page > 0)) {
     // A block table; caches chosen by cache_batch_idx are each one page.
@@ -340,15 +354,20 @@ std::tuple<at::Tensor, at::Tensor> attend(
 }
 
 
-std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_composite(
+std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_kernel(
     const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache, const OptTensor& k,
     const OptTensor& v, const OptTensor& rotary_cos, const OptTensor& rotary_sin,
     const OptTensor& cache_seqlens, const OptTensor& cache_batch_idx,
     const OptTensor& cache_leftpad, const OptTensor& block_table, std::optional<double> scale,
     bool is_causal, bool rotary_interleaved, int64_t window_left, int64_t window_right,
     double softcap, const OptTensor& alibi_slopes, const OptTensor& sinks,
-    std::optional<int64_t> cache_seqlens_value) {
+    std::optional<c10::SymInt> cache_seqlens_sym) {
   const at::NoGradGuard inference_only;
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  // (A backend kernel gets real tensors, so the int is concrete.)
+  const std::optional<int64_t> cache_seqlens_value =
+      cache_seqlens_sym.has_value() ? std::optional<int64_t>(cache_seqlens_sym->expect_int())
+                                    : std::nullopt;
   TORCH_CHECK(q.dim() == 4 && k_cache.dim() == 4 && v_cache.dim() == 4, kOp,
               ": expected q (B, L, H, E) and k_cache/v_cache (B_cache, S_cache, H_kv, E) or "
               "pages (num_pages, page_size, H_kv, E), got ", q.sizes(), ", ", k_cache.sizes(),
@@ -532,10 +551,76 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_composite(
   }
 }
 
+// The shapes alone (fake tensors, torch.compile): the output (B, L, H, Ev)
+// in q's dtype and the log-sum-exp (B, H, L), both contiguous as every path
+// returns them. The checks that need no values run here too; the rest (the
+// lengths, the pages) wait for the real call.
+std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_meta(
+    const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache, const OptTensor& k,
+    const OptTensor& v, const OptTensor& rotary_cos, const OptTensor& rotary_sin,
+    const OptTensor& cache_seqlens, const OptTensor& cache_batch_idx,
+    const OptTensor& cache_leftpad, const OptTensor& block_table, std::optional<double> scale,
+    bool is_causal, bool rotary_interleaved, int64_t window_left, int64_t window_right,
+    double softcap, const OptTensor& alibi_slopes, const OptTensor& sinks,
+    std::optional<c10::SymInt> cache_seqlens_sym) {
+  TORCH_CHECK(q.dim() == 4 && k_cache.dim() == 4 && v_cache.dim() == 4, kOp,
+              ": expected q (B, L, H, E) and k_cache/v_cache (B_cache, S_cache, H_kv, E) or "
+              "pages (num_pages, page_size, H_kv, E), got ", q.sym_sizes(), ", ",
+              k_cache.sym_sizes(), " and ", v_cache.sym_sizes());
+  TORCH_CHECK(k.has_value() == v.has_value(), kOp, ": pass k and v together");
+  check_devices(q, k_cache, v_cache, k, v);
+  TORCH_CHECK(rotary_cos.has_value() == rotary_sin.has_value(), kOp,
+              ": pass rotary_cos and rotary_sin together");
+  TORCH_CHECK(!(cache_seqlens.has_value() && cache_seqlens_sym.has_value()), kOp,
+              ": pass cache_seqlens as a tensor or as cache_seqlens_value, not both");
+  TORCH_CHECK(cache_seqlens.has_value() || cache_seqlens_sym.has_value() || !k.has_value(), kOp,
+              ": cache_seqlens is needed to append k/v");
+  TORCH_CHECK(at::isFloatingType(q.scalar_type()), kOp,
+              ": expected q of dtype float32, float64, bfloat16 or float16, got ", q.scalar_type());
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              kOp, ": expected k_cache and v_cache of q's dtype (", q.scalar_type(), "), got ",
+              k_cache.scalar_type(), " and ", v_cache.scalar_type());
+  const auto lse_dtype = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  return {at::empty_symint({q.sym_size(0), q.sym_size(1), q.sym_size(2), v_cache.sym_size(3)},
+                           q.options()),
+          at::empty_symint({q.sym_size(0), q.sym_size(2), q.sym_size(1)},
+                           q.options().dtype(lse_dtype))};
+}
+
+// Inference only: below autograd, so the outputs record nothing (as under
+// torch.no_grad()), whatever requires grad. (A kernel of our own, not the
+// boxed fallback: one decoding step pays for each dispatch.)
+std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_autograd(
+    const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache, const OptTensor& k,
+    const OptTensor& v, const OptTensor& rotary_cos, const OptTensor& rotary_sin,
+    const OptTensor& cache_seqlens, const OptTensor& cache_batch_idx,
+    const OptTensor& cache_leftpad, const OptTensor& block_table, std::optional<double> scale,
+    bool is_causal, bool rotary_interleaved, int64_t window_left, int64_t window_right,
+    double softcap, const OptTensor& alibi_slopes, const OptTensor& sinks,
+    std::optional<c10::SymInt> cache_seqlens_value) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("fusedmha::attention_with_kvcache", "")
+                             .typed<decltype(attention_with_kvcache_autograd)>();
+  const at::AutoDispatchBelowAutograd below_autograd;  // (in-place ops below still bump versions)
+  return op.call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                 cache_batch_idx, cache_leftpad, block_table, scale, is_causal,
+                 rotary_interleaved, window_left, window_right, softcap, alibi_slopes, sinks,
+                 cache_seqlens_value);
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(fusedmha, CompositeImplicitAutograd, m) {
-  m.impl("attention_with_kvcache", TORCH_FN(attention_with_kvcache_composite));
+TORCH_LIBRARY_IMPL(fusedmha, CPU, m) {
+  m.impl("attention_with_kvcache", TORCH_FN(attention_with_kvcache_kernel));
+}
+TORCH_LIBRARY_IMPL(fusedmha, CUDA, m) {
+  m.impl("attention_with_kvcache", TORCH_FN(attention_with_kvcache_kernel));
+}
+TORCH_LIBRARY_IMPL(fusedmha, Meta, m) {
+  m.impl("attention_with_kvcache", TORCH_FN(attention_with_kvcache_meta));
+}
+TORCH_LIBRARY_IMPL(fusedmha, Autograd, m) {
+  m.impl("attention_with_kvcache", TORCH_FN(attention_with_kvcache_autograd));
 }
 
 }  // namespace fusedmha

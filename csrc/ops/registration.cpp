@@ -70,7 +70,8 @@ TORCH_LIBRARY(fusedmha, m) {
   // sequence's cache, bottom-right aligned. Returns the output (B, L, H, Ev)
   // and the log-sum-exp (B, H, L). Inference only. cache_seqlens_value: one
   // cache_seqlens for every sequence, in place of the tensor (flash_attn's
-  // int form: a step then makes no tensor for it).
+  // int form: a step then makes no tensor for it; a SymInt, so that
+  // torch.compile keeps it dynamic instead of recompiling each step).
   m.def(
       "attention_with_kvcache(Tensor query, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor? k=None, Tensor? v=None, Tensor? rotary_cos=None, Tensor? rotary_sin=None, "
@@ -78,7 +79,7 @@ TORCH_LIBRARY(fusedmha, m) {
       "Tensor? block_table=None, float? scale=None, bool is_causal=False, "
       "bool rotary_interleaved=True, *, int window_left=-1, int window_right=-1, "
       "float softcap=0.0, Tensor? alibi_slopes=None, Tensor? sinks=None, "
-      "int? cache_seqlens_value=None) -> (Tensor output, Tensor logsumexp)");
+      "SymInt? cache_seqlens_value=None) -> (Tensor output, Tensor logsumexp)");
   // Private test hook, not API: the dropout keep-mask (outer, len_q,
   // len_kv) that a call with this rng_state and dropout_p applies (outer =
   // batch dims x heads), so tests can build the exact reference.

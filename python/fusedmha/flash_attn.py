@@ -301,7 +301,7 @@ def flash_attn_with_kvcache(
     # Only the keyword arguments that are not the op's defaults: each decoding step finds this
     # path cold, where parsing each costs microseconds.
     kwargs = {}
-    if isinstance(cache_seqlens, int):
+    if isinstance(cache_seqlens, (int, torch.SymInt)):  # (SymInt: torch.compile's dynamic int)
         # Passed on as an int: a tensor made here for it cost a decoding step from cold caches
         # 10-40 us on Zen 4 (5-9% of the step at S=256, 3-5% at 1024).
         cache_seqlens, kwargs["cache_seqlens_value"] = None, cache_seqlens

@@ -387,3 +387,93 @@ def test_meta_outputs_are_laid_out_as_on_the_cpu():
         assert out.is_contiguous() and lse.is_contiguous(), lens
         assert (m_out.shape, m_lse.shape) == (out.shape, lse.shape)
         assert m_out.is_contiguous() and m_lse.is_contiguous()
+
+
+def decoding_step(q, k_cache, v_cache, k, v, seqlens, table):
+    """A serving loop's step, as users compile it: the new token's q, k, v, then attention."""
+    return fusedmha.flash_attn_with_kvcache(q * 0.5, k_cache, v_cache, k, v, cache_seqlens=seqlens,
+                                            block_table=table, causal=True,
+                                            return_softmax_lse=True)
+
+
+@pytest.mark.parametrize("paged, as_tensor", [(False, False), (True, False), (False, True)])
+def test_decoding_steps_compile_into_one_graph(paged, as_tensor):
+    """torch.compile(fullgraph=True) traces the op whole (its shape kernel gives the outputs;
+    the lengths are read on the host only in the real call), appends in place, and gives the
+    eager steps' outputs and caches bit for bit: an int cache_seqlens that turns dynamic after
+    the first steps (a SymInt in the op's schema), or a tensor."""
+    torch._dynamo.reset()
+    B, S_cache, page = 2, 48, 16
+    shape = (B * S_cache // page, page, H_KV, E) if paged else (B, S_cache, H_KV, E)
+    table = torch.randperm(B * S_cache // page).view(B, -1).to(torch.int32) if paged else None
+    eager_caches = [torch.zeros(shape), torch.zeros(shape)]
+    compiled_caches = [c.clone() for c in eager_caches]
+    compiled = torch.compile(decoding_step, fullgraph=True)
+    for t in range(5):
+        q, k, v = torch.randn(B, 1, H, E), torch.randn(B, 1, H_KV, E), torch.randn(B, 1, H_KV, E)
+        seqlens = torch.full((B,), t, dtype=torch.int32) if as_tensor else t
+        want = decoding_step(q, *eager_caches, k, v, seqlens, table)
+        got = compiled(q, *compiled_caches, k, v, seqlens, table)
+        for a, b in zip(got + tuple(compiled_caches), want + tuple(eager_caches)):
+            assert torch.equal(a, b), t
+
+
+def test_the_outputs_record_no_graph_and_the_caches_count_a_write():
+    """Inference only: q that requires grad gives outputs that do not (as under no_grad), and
+    the caches' version counters move, as an in-place op's do."""
+    q = torch.randn(1, 1, H, E, requires_grad=True)
+    k_cache, v_cache = torch.zeros(1, 8, H_KV, E), torch.zeros(1, 8, H_KV, E)
+    versions = (k_cache._version, v_cache._version)
+    out = fusedmha.flash_attn_with_kvcache(q, k_cache, v_cache, torch.randn(1, 1, H_KV, E),
+                                           torch.randn(1, 1, H_KV, E), cache_seqlens=2)
+    assert not out.requires_grad and out.grad_fn is None
+    assert k_cache._version > versions[0] and v_cache._version > versions[1]
+
+
+@pytest.mark.parametrize("kw", [dict(cache_seqlens=5), dict(cache_seqlens=torch.tensor(
+    [5, 9], dtype=torch.int32)), dict(cache_seqlens=5, block_table=torch.tensor(
+        [[1, 0], [3, 2]], dtype=torch.int32))])
+def test_autocast_leaves_the_call_in_the_caches_dtype(kw):
+    """The call computes in the caches' dtype whichever path runs (autocast used to reach one
+    of them, the one for equal lengths): the same output as without autocast."""
+    shape = (4, 8, H_KV, E) if "block_table" in kw else (2, 16, H_KV, E)
+    q, k_cache, v_cache = torch.randn(2, 1, H, E), torch.randn(shape), torch.randn(shape)
+    want = fusedmha.flash_attn_with_kvcache(q, k_cache, v_cache, causal=True, **kw)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = fusedmha.flash_attn_with_kvcache(q, k_cache, v_cache, causal=True, **kw)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("kw", [dict(cache_seqlens_value=3), dict(
+    cache_seqlens=torch.tensor([3, 7], dtype=torch.int32), is_causal=True), dict(
+        cache_seqlens_value=5, block_table=torch.tensor([[1, 0], [3, 2]], dtype=torch.int32),
+        window_left=4)])
+def test_opcheck(device, kw):
+    """The op contract (schema and its mutations, the shape kernel against the real one,
+    autograd registration, AOT dispatch) on the paths a call takes."""
+    kw = {name: value.to(device) if isinstance(value, torch.Tensor) else value
+          for name, value in kw.items()}
+    shape = (4, 8, H_KV, E) if "block_table" in kw else (2, 16, H_KV, E)
+    q = torch.randn(2, 2, H, E, device=device)
+    caches = torch.randn(shape, device=device), torch.randn(shape, device=device)
+    k, v = torch.randn(2, 2, H_KV, E, device=device), torch.randn(2, 2, H_KV, E, device=device)
+    torch.library.opcheck(torch.ops.fusedmha.attention_with_kvcache.default, (q, *caches, k, v),
+                          kw)
+
+
+def test_a_decoding_step_exports():
+    """torch.export keeps the op whole, and the exported program appends in place too."""
+    class Step(torch.nn.Module):
+        def forward(self, q, k_cache, v_cache, k, v, seqlens):
+            return decoding_step(q, k_cache, v_cache, k, v, seqlens, None)
+
+    q, k, v = torch.randn(2, 1, H, E), torch.randn(2, 1, H_KV, E), torch.randn(2, 1, H_KV, E)
+    seqlens = torch.tensor([3, 6], dtype=torch.int32)
+    caches = [torch.randn(2, 16, H_KV, E) for _ in range(2)]
+    caches += [c.clone() for c in caches]
+    program = torch.export.export(Step(), (q, caches[0], caches[1], k, v, seqlens))
+    got = program.module()(q, caches[0], caches[1], k, v, seqlens)
+    want = Step()(q, caches[2], caches[3], k, v, seqlens)
+    for a, b in zip(got + tuple(caches[:2]), want + tuple(caches[2:])):
+        assert torch.equal(a, b)
+    assert torch.equal(caches[0][1, 6], k[1, 0])
