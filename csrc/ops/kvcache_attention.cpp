@@ -73,22 +73,23 @@ at::Tensor host_tensor(const std::vector<int64_t>& values, at::ScalarType dtype 
   return t;
 }
 
-// An int32 (B) tensor of per-sequence values on device, or `fallback` for all.
-// (On the CPU filled in a loop: each ATen call costs microseconds of a
-// decoding step, tens of them when the step finds the caches cold.)
+// A per-sequence integer tensor (B) checked: on q's device or the CPU.
+const at::Tensor& checked_per_sequence(const at::Tensor& t, int64_t B, const char* name,
+                                       const at::Device& device) {
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == B && !at::isFloatingType(t.scalar_type()), kOp,
+              ": expected ", name, " as an integer tensor of shape (B) = (", B, "), got ",
+              t.scalar_type(), " of shape ", t.sizes());
+  TORCH_CHECK(t.device() == device || t.is_cpu(), kOp, ": expected ", name,
+              " on q's device (", device, ") or the CPU, got ", t.device());
+  return t;
+}
+
+// On a GPU: an int32 (B) tensor of per-sequence values on the device, or
+// `fallback` for all.
 at::Tensor per_sequence(const OptTensor& t, int64_t B, int64_t fallback, const char* name,
                         const at::Device& device) {
-  if (!t.has_value()) {
-    if (device.is_cpu()) return host_tensor(std::vector<int64_t>(B, fallback));
-    return at::full({B}, fallback, at::TensorOptions(device).dtype(at::kInt));
-  }
-  TORCH_CHECK(t->dim() == 1 && t->size(0) == B && !at::isFloatingType(t->scalar_type()), kOp,
-              ": expected ", name, " as an integer tensor of shape (B) = (", B, "), got ",
-              t->scalar_type(), " of shape ", t->sizes());
-  TORCH_CHECK(t->device() == device || t->is_cpu(), kOp, ": expected ", name,
-              " on q's device (", device, ") or the CPU, got ", t->device());
-  // (Without a to() call where it would return t: a dispatch that costs a cold step time.)
-  return t->device() == device && t->scalar_type() == at::kInt ? *t : t->to(device, at::kInt);
+  if (!t.has_value()) return at::full({B}, fallback, at::TensorOptions(device).dtype(at::kInt));
+  return checked_per_sequence(*t, B, name, device).to(device, at::kInt);
 }
 
 // 0, 1, ..., n - 1.
@@ -109,6 +110,32 @@ std::vector<int64_t> host_values(const at::Tensor& t) {
   return c.scalar_type() == at::kInt ? values(c.const_data_ptr<int32_t>())
                                      : values(c.const_data_ptr<int64_t>());
 }
+
+// Each sequence's cache length before the append (seqlens), left padding and
+// cache index. On the CPU their values, read once: checked and summed in
+// plain loops, and made into tensors only where a path needs one (each ATen
+// call costs a decoding step microseconds, tens of them from cold caches).
+// On a GPU device tensors, whose values are never read (that would wait for
+// the device).
+struct Sequences {
+  bool on_cpu;
+  std::vector<int64_t> lens, pads, idx;    // (CPU)
+  at::Tensor seqlens, leftpad, batch_idx;  // (GPU: int32, int32, int64)
+
+  // The positions of the first new rows, counted from the left padding: (B, 1) int64.
+  at::Tensor first_positions() const {
+    if (!on_cpu) return seqlens.sub(leftpad).to(at::kLong).unsqueeze(1);
+    std::vector<int64_t> x(lens.size());
+    for (size_t b = 0; b < x.size(); ++b) x[b] = lens[b] - pads[b];
+    return host_tensor(x, at::kLong).unsqueeze(1);
+  }
+  at::Tensor lengths(at::ScalarType dtype) const {
+    return on_cpu ? host_tensor(lens, dtype) : seqlens.to(dtype);
+  }
+  at::Tensor indices(at::ScalarType dtype) const {
+    return on_cpu ? host_tensor(idx, dtype) : batch_idx.to(dtype);
+  }
+};
 
 // The dims of two views with the same strides, as the ranges of index
 // differences j (a's index minus b's) along each, sorted by stride; empty
@@ -275,20 +302,18 @@ void check_caches(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
 }
 
 // The attention over the caches once the new rows are in: seqlens + added
-// keys per sequence, from its left padding. On the CPU, used_host and
-// leftpad_host hold their values (empty elsewhere), and tensors are made
-// only where a path needs them (each ATen call costs microseconds of a
-// decoding step, tens of them when the step finds the caches cold).
+// keys per sequence, from its left padding.
 std::tuple<at::Tensor, at::Tensor> attend(
     const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-    const at::Tensor& seqlens, int64_t added, const at::Tensor& leftpad,
-    const std::vector<int64_t>& used_host, const std::vector<int64_t>& leftpad_host, const at::Tensor& batch_idx, bool paged,
+    const Sequences& seq, int64_t added, bool paged,
     bool chosen_caches, bool has_leftpad, const OptTensor& block_table, int64_t page,
     int64_t rows_per_sequence, std::optional<double> scale, bool is_causal,
     const AttentionVariants& variants) {
   const int64_t B = query.size(0), L = query.size(1);
   const at::Device device = query.device();
   const bool on_cpu = device.is_cpu();
+  std::vector<int64_t> used_host = seq.lens;  // (CPU)
+  for (int64_t& n : used_host) n += added;
 
   const auto int32 = at::TensorOptions(device).dtype(at::kInt);
   // Cumulative lengths: (on the CPU, from the values read once)
@@ -301,7 +326,7 @@ std::tuple<at::Tensor, at::Tensor> attend(
     return on_cpu ? cumulative(std::vector<int64_t>(B, L)) : at::arange(B + 1, int32).mul(L);
   };
   auto packed_q = [&] { return query.reshape({B * L, query.size(2), query.size(3)}); };
-  auto used = [&] { return seqlens.add(added); };
+  auto used = [&] { return seq.seqlens.add(added); };  // (GPU)
   // (B·L rows, H) out and (H, B·L) lse as flash_attn returns them: (B, L, H, E), (B, H, L).
   // (contiguous, whichever path ran: the meta kernel below cannot know which)
   auto unpack = [&](const at::Tensor& out, const at::Tensor& lse) {
@@ -310,13 +335,12 @@ std::tuple<at::Tensor, at::Tensor> attend(
   };
   const bool no_leftpad =
       !has_leftpad ||
-      (on_cpu ? std::all_of(leftpad_host.begin(), leftpad_host.end(),
-                            [](int64_t x) { return x == 0; })
-              : !leftpad.any().item<bool>());
+      (on_cpu ? std::all_of(seq.pads.begin(), seq.pads.end(), [](int64_t x) { return x == 0; })
+              : !seq.leftpad.any().item<bool>());
   // (caches of no rows are no pages: they take the last path)
   if (paged || (chosen_caches && no_leftpad && page > 0)) {
     // A block table; caches chosen by cache_batch_idx are each one page.
-    const at::Tensor table = paged ? *block_table : batch_idx.to(at::kInt).view({B, 1});
+    const at::Tensor table = paged ? *block_table : seq.indices(at::kInt).view({B, 1});
     const at::Tensor cu_k = on_cpu ? cumulative(used_host)
                                    : at::cat({at::zeros({1}, int32), used().cumsum(0).to(at::kInt)});
     auto [out, lse, rng] = varlen_attention_forward(packed_q(), k_cache, v_cache, cu_q(), cu_k, L,
@@ -325,8 +349,9 @@ std::tuple<at::Tensor, at::Tensor> attend(
     return unpack(out, lse);
   }
   // (caches chosen by cache_batch_idx, with left padding: copied)
-  const at::Tensor keys = chosen_caches ? k_cache.index_select(0, batch_idx) : k_cache.narrow(0, 0, B);
-  const at::Tensor values = chosen_caches ? v_cache.index_select(0, batch_idx) : v_cache.narrow(0, 0, B);
+  const at::Tensor index = chosen_caches ? seq.indices(at::kLong) : at::Tensor();
+  const at::Tensor keys = chosen_caches ? k_cache.index_select(0, index) : k_cache.narrow(0, 0, B);
+  const at::Tensor values = chosen_caches ? v_cache.index_select(0, index) : v_cache.narrow(0, 0, B);
   if (on_cpu && B > 0 && no_leftpad &&
       std::all_of(used_host.begin(), used_host.end(), [&](int64_t x) { return x == used_host[0]; })) {
     const int64_t n = used_host[0];
@@ -337,14 +362,19 @@ std::tuple<at::Tensor, at::Tensor> attend(
     return {out.transpose(1, 2).contiguous(), lse.contiguous()};
   }
   const int64_t S = keys.size(1);
-  const at::Tensor starts = at::cat({at::arange(B, int32).mul(S).add(leftpad), at::full({1}, B * S, int32)});
-  at::Tensor lengths;  // (each sequence's keys past its left padding)
+  // Each sequence's first key (past its left padding), then the keys past it.
+  at::Tensor starts, lengths;
   if (on_cpu) {
-    std::vector<int64_t> n = used_host;
-    for (size_t b = 0; b < n.size(); ++b) n[b] -= leftpad_host[b];
+    std::vector<int64_t> first(B + 1, B * S), n = used_host;
+    for (int64_t b = 0; b < B; ++b) {
+      first[b] = b * S + seq.pads[b];
+      n[b] -= seq.pads[b];
+    }
+    starts = host_tensor(first);
     lengths = host_tensor(n);
   } else {
-    lengths = used().sub(leftpad).to(at::kInt);
+    starts = at::cat({at::arange(B, int32).mul(S).add(seq.leftpad), at::full({1}, B * S, int32)});
+    lengths = used().sub(seq.leftpad).to(at::kInt);
   }
   auto [out, lse, rng] = varlen_attention_forward(
       packed_q(), keys.reshape({B * S, keys.size(2), keys.size(3)}),
@@ -410,10 +440,6 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_kernel(
               kOp, ": cache_seqlens + ", added, " new rows must fit the cache's ",
               rows_per_sequence, " rows per sequence, and cache_seqlens >= 0; got cache_seqlens ",
               cache_seqlens_value.value_or(0));
-  const at::Tensor seqlens = per_sequence(cache_seqlens, B,
-                                          cache_seqlens_value.value_or(rows_per_sequence),
-                                          "cache_seqlens", device);
-  const at::Tensor leftpad = per_sequence(cache_leftpad, B, 0, "cache_leftpad", device);
   if (k.has_value()) {
     TORCH_CHECK(k->dim() == 4 && k->size(0) == B && k->size(2) == k_cache.size(2) &&
                     k->size(3) == k_cache.size(3) && v->dim() == 4 &&
@@ -437,21 +463,30 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_kernel(
   // The variants too, before anything is written into the caches.
   ops::check_variants(kOp, q, {q.sym_size(0), q.sym_size(2)},
                  {window_left, window_right, /*bottom_right=*/true, softcap, alibi_slopes, sinks});
-  const at::Tensor batch_idx =
-      cache_batch_idx.has_value()
-          ? per_sequence(cache_batch_idx, B, 0, "cache_batch_idx", device).to(at::kLong)
-          : device.is_cpu() ? host_tensor(first_integers(B), at::kLong)
-                            : at::arange(B, at::TensorOptions(device).dtype(at::kLong));
-  std::vector<int64_t> lens, pads, idx;  // (on the CPU: seqlens, leftpad, batch_idx, read once)
-  if (device.is_cpu()) {  // (on a GPU, reading them would wait for it)
-    lens = host_values(seqlens);
-    pads = host_values(leftpad);
+  Sequences seq{device.is_cpu()};
+  const int64_t default_length = cache_seqlens_value.value_or(rows_per_sequence);
+  if (seq.on_cpu) {
+    auto values = [&](const OptTensor& t, const char* name, std::vector<int64_t> fallback) {
+      return t.has_value() ? host_values(checked_per_sequence(*t, B, name, device)) : fallback;
+    };
+    seq.lens = values(cache_seqlens, "cache_seqlens", std::vector<int64_t>(B, default_length));
+    seq.pads = values(cache_leftpad, "cache_leftpad", std::vector<int64_t>(B, 0));
+    seq.idx = values(cache_batch_idx, "cache_batch_idx", first_integers(B));
+  } else {
+    seq.seqlens = per_sequence(cache_seqlens, B, default_length, "cache_seqlens", device);
+    seq.leftpad = per_sequence(cache_leftpad, B, 0, "cache_leftpad", device);
+    seq.batch_idx = cache_batch_idx.has_value()
+                        ? per_sequence(cache_batch_idx, B, 0, "cache_batch_idx", device).to(at::kLong)
+                        : at::arange(B, at::TensorOptions(device).dtype(at::kLong));
+  }
+  const std::vector<int64_t> &lens = seq.lens, &pads = seq.pads, &idx = seq.idx;  // (CPU)
+  if (seq.on_cpu) {
     for (int64_t b = 0; b < B; ++b) {
-      TORCH_CHECK(lens[b] + added <= rows_per_sequence && pads[b] >= 0 && pads[b] <= lens[b], kOp,
+      // (as lens <= rows - added: an int64 tensor's values may be near its range's end)
+      TORCH_CHECK(lens[b] <= rows_per_sequence - added && pads[b] >= 0 && pads[b] <= lens[b], kOp,
                   ": cache_seqlens + ", added, " new rows must fit the cache's ",
                   rows_per_sequence, " rows per sequence, and 0 <= cache_leftpad <= cache_seqlens");
     }
-    idx = host_values(batch_idx);
     for (const int64_t i : idx) {
       TORCH_CHECK(i >= 0 && i < k_cache.size(0), kOp, ": expected cache_batch_idx in [0, ",
                   k_cache.size(0), ")");
@@ -478,7 +513,7 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_kernel(
   at::Tensor query = q;
   OptTensor new_k = k;
   if (rotary_cos.has_value()) {
-    const at::Tensor start = seqlens.sub(leftpad).to(at::kLong).unsqueeze(1);
+    const at::Tensor start = seq.first_positions();
     const auto steps = at::arange(std::max(L, added), at::TensorOptions(device).dtype(at::kLong));
     const bool moving = is_causal || window_left >= 0 || window_right >= 0;
     query = rotate(q, *rotary_cos, *rotary_sin,
@@ -511,12 +546,12 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_kernel(
     k_rows.emplace(k_cache, *new_k, places);
     v_rows.emplace(v_cache, *v, places);
   } else if (k.has_value()) {
-    const at::Tensor rows =
-        seqlens.to(at::kLong).unsqueeze(1) + at::arange(added, batch_idx.options());
+    const at::Tensor rows = seq.lengths(at::kLong).unsqueeze(1) +
+                            at::arange(added, at::TensorOptions(device).dtype(at::kLong));
     if (paged) {
       where = {block_table->to(at::kLong).gather(1, rows.div(page, "floor")), rows.remainder(page)};
     } else {
-      where = {batch_idx.unsqueeze(1), rows};
+      where = {seq.indices(at::kLong).unsqueeze(1), rows};
     }
     old_k = k_cache.index(where);
     old_v = v_cache.index(where);
@@ -524,13 +559,9 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_kernel(
     v_cache.index_put_(where, v->to(v_cache.scalar_type()));
   }
   try {
-    std::vector<int64_t> used_host = lens;
-    for (int64_t& n : used_host) n += added;
-    return attend(query, k_cache, v_cache, seqlens, added, leftpad, used_host, pads,
-                  batch_idx, paged, cache_batch_idx.has_value(), cache_leftpad.has_value(),
-                  block_table, page,
-                  rows_per_sequence, scale, is_causal,
-                  {window_left, window_right, /*bottom_right=*/true, softcap, alibi_slopes, sinks});
+    return attend(query, k_cache, v_cache, seq, added, paged, cache_batch_idx.has_value(),
+                  cache_leftpad.has_value(), block_table, page, rows_per_sequence, scale,
+                  is_causal, {window_left, window_right, /*bottom_right=*/true, softcap, alibi_slopes, sinks});
   } catch (const c10::Error& e) {
     if (k_rows.has_value()) {
       v_rows->undo();

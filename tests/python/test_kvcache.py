@@ -143,6 +143,9 @@ def test_decode_steps_equal_attention_over_the_whole_sequence():
     (dict(cache_seqlens=39), "must fit"),
     (dict(cache_seqlens=-1), "must fit"),
     (dict(cache_seqlens=2**32 + 3), "must fit"),  # (not wrapped to 3 in int32)
+    (dict(cache_seqlens=torch.tensor([2**32 + 3])), "must fit"),  # (an int64 tensor: the same)
+    (dict(cache_seqlens=torch.tensor([2**63 - 1])), "must fit"),  # (no overflow in the check)
+    (dict(cache_seqlens=torch.tensor([5]), cache_leftpad=torch.tensor([2**32 + 3])), "must fit"),
     (dict(k=None), "k and v together"),
     (dict(cache_seqlens=None), "cache_seqlens is needed"),
     (dict(cache_seqlens=torch.tensor([1, 2], dtype=torch.int32)), r"shape \(B\) = \(1\)"),
