@@ -92,6 +92,24 @@ at::Tensor per_sequence(const OptTensor& t, int64_t B, int64_t fallback, const c
   return checked_per_sequence(*t, B, name, device).to(device, at::kInt);
 }
 
+// t's elements as sizes and strides say (from t's storage offset), made
+// without the dispatcher: each view op (narrow, transpose) cost a decoding
+// step ~5 us from cold caches, a tenth of the step at S=256. A tensor of its
+// own over t's storage, not an autograd view: for this op's inference only.
+at::Tensor strided_view(const at::Tensor& t, at::IntArrayRef sizes, at::IntArrayRef strides) {
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(t.storage()), t.key_set(),
+                                                   t.dtype());
+  impl->set_sizes_and_strides(sizes, strides, t.storage_offset());
+  return at::Tensor(std::move(impl));
+}
+
+// t (4-d) with dims 1 and 2 swapped, (B, L, H, E) as (B, H, L, E) or back,
+// keeping the first `batch` of dim 0 and the first `rows` of dim 1.
+at::Tensor swap_dims_1_2(const at::Tensor& t, int64_t batch, int64_t rows) {
+  return strided_view(t, {batch, t.size(2), rows, t.size(3)},
+                      {t.stride(0), t.stride(2), t.stride(1), t.stride(3)});
+}
+
 // 0, 1, ..., n - 1.
 std::vector<int64_t> first_integers(int64_t n) {
   std::vector<int64_t> x(n);
@@ -350,16 +368,18 @@ std::tuple<at::Tensor, at::Tensor> attend(
   }
   // (caches chosen by cache_batch_idx, with left padding: copied)
   const at::Tensor index = chosen_caches ? seq.indices(at::kLong) : at::Tensor();
-  const at::Tensor keys = chosen_caches ? k_cache.index_select(0, index) : k_cache.narrow(0, 0, B);
-  const at::Tensor values = chosen_caches ? v_cache.index_select(0, index) : v_cache.narrow(0, 0, B);
+  // (the first B caches are read in place)
+  const at::Tensor keys = chosen_caches ? k_cache.index_select(0, index) : k_cache;
+  const at::Tensor values = chosen_caches ? v_cache.index_select(0, index) : v_cache;
   if (on_cpu && B > 0 && no_leftpad &&
       std::all_of(used_host.begin(), used_host.end(), [&](int64_t x) { return x == used_host[0]; })) {
+    // The caches' first n rows as (B, H_kv, n, E), q as (B, H, L, E).
     const int64_t n = used_host[0];
-    const at::Tensor qh = query.transpose(1, 2);
-    const at::Tensor kh = keys.narrow(1, 0, n).transpose(1, 2), vh = values.narrow(1, 0, n).transpose(1, 2);
+    const at::Tensor qh = swap_dims_1_2(query, B, L);
+    const at::Tensor kh = swap_dims_1_2(keys, B, n), vh = swap_dims_1_2(values, B, n);
     auto [out, lse, rng] = attention_forward(qh, kh, vh, std::nullopt, 0.0, is_causal, scale,
                                              qh.size(1) != kh.size(1), variants);
-    return {out.transpose(1, 2).contiguous(), lse.contiguous()};
+    return {swap_dims_1_2(out, B, out.size(1)).contiguous(), lse.contiguous()};
   }
   const int64_t S = keys.size(1);
   // Each sequence's first key (past its left padding), then the keys past it.
@@ -377,8 +397,8 @@ std::tuple<at::Tensor, at::Tensor> attend(
     lengths = used().sub(seq.leftpad).to(at::kInt);
   }
   auto [out, lse, rng] = varlen_attention_forward(
-      packed_q(), keys.reshape({B * S, keys.size(2), keys.size(3)}),
-      values.reshape({B * S, values.size(2), values.size(3)}), cu_q(), starts, L, S, 0.0,
+      packed_q(), keys.narrow(0, 0, B).reshape({B * S, keys.size(2), keys.size(3)}),
+      values.narrow(0, 0, B).reshape({B * S, values.size(2), values.size(3)}), cu_q(), starts, L, S, 0.0,
       is_causal, scale, variants, lengths);
   return unpack(out, lse);
 }
@@ -600,6 +620,22 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_meta(
               k_cache.sym_sizes(), " and ", v_cache.sym_sizes());
   TORCH_CHECK(k.has_value() == v.has_value(), kOp, ": pass k and v together");
   check_devices(q, k_cache, v_cache, k, v);
+  // (One meta tensor among CPU ones sends the call here: each is checked.)
+  const std::pair<const char*, const OptTensor*> on_q_device[] = {
+      {"rotary_cos", &rotary_cos}, {"rotary_sin", &rotary_sin}, {"block_table", &block_table},
+      {"alibi_slopes", &alibi_slopes}, {"sinks", &sinks}};
+  for (const auto& [name, t] : on_q_device) {
+    TORCH_CHECK(!t->has_value() || (*t)->device() == q.device(), kOp, ": expected ", name,
+                " on q's device (", q.device(), "), got ", (*t)->device());
+  }
+  const std::pair<const char*, const OptTensor*> on_q_device_or_cpu[] = {
+      {"cache_seqlens", &cache_seqlens}, {"cache_batch_idx", &cache_batch_idx},
+      {"cache_leftpad", &cache_leftpad}};
+  for (const auto& [name, t] : on_q_device_or_cpu) {
+    TORCH_CHECK(!t->has_value() || (*t)->device() == q.device() || (*t)->is_cpu(), kOp,
+                ": expected ", name, " on q's device (", q.device(), ") or the CPU, got ",
+                (*t)->device());
+  }
   TORCH_CHECK(rotary_cos.has_value() == rotary_sin.has_value(), kOp,
               ": pass rotary_cos and rotary_sin together");
   TORCH_CHECK(!(cache_seqlens.has_value() && cache_seqlens_sym.has_value()), kOp,

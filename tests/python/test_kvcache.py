@@ -153,6 +153,12 @@ def test_decode_steps_equal_attention_over_the_whole_sequence():
     (dict(k_cache=torch.zeros(1, 40, H_KV, E).half()), "k_cache and v_cache of q's dtype"),
     (dict(v_cache=torch.zeros(1, 40, H_KV, E, device="meta")), "on q's device"),
     (dict(k=torch.randn(1, 2, H_KV, E, device="meta")), "k and v on q's device"),
+    # (one meta tensor among CPU ones sends the call to the shape kernel, which refuses it too)
+    (dict(sinks=torch.zeros(H, device="meta")), "sinks on q's device"),
+    (dict(alibi_slopes=torch.ones(H, device="meta")), "alibi_slopes on q's device"),
+    (dict(block_table=torch.zeros(1, 1, dtype=torch.int32, device="meta"), k_cache=torch.zeros(
+        1, 40, H_KV, E)), "block_table on q's device"),
+    (dict(cache_seqlens=torch.tensor([3], dtype=torch.int32, device="meta")), "cache_seqlens on"),
     (dict(k_cache=torch.zeros(1, 1, H_KV, E).expand(1, 40, H_KV, E)), "elements that share memory"),
 ])
 def test_bad_inputs_get_clear_errors(call, message):
