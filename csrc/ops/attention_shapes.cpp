@@ -138,10 +138,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_varlen_outputs(
   if (written_rows.has_value()) {
     at::Tensor out = at::empty({query.size(0), query.size(1), value.size(-1)}, options);
     at::Tensor lse = at::empty({query.size(1), query.size(0)}, options.dtype(lse_dtype));
-    out.narrow(0, *written_rows, query.size(0) - *written_rows).zero_();
-    lse.narrow(1, *written_rows, query.size(0) - *written_rows)
-        .fill_(std::numeric_limits<double>::infinity());
-    return {out, lse, at::zeros({2}, options.dtype(at::kLong))};
+    // (Only where rows are left: each op costs a decoding step microseconds
+    // from cold caches. The kernel that writes the rows writes rng_state too.)
+    if (*written_rows < query.size(0)) {
+      out.narrow(0, *written_rows, query.size(0) - *written_rows).zero_();
+      lse.narrow(1, *written_rows, query.size(0) - *written_rows)
+          .fill_(std::numeric_limits<double>::infinity());
+    }
+    return {out, lse, at::empty({2}, options.dtype(at::kLong))};
   }
   at::Tensor out = at::zeros_symint({query.sym_size(0), query.sym_size(1), value.sym_size(-1)},
                                     options);

@@ -39,7 +39,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_attention_outputs(const 
 // Ev), log-sum-exp (H, total_q) as FlashAttention returns it, and the
 // dropout rng state. Rows no sequence covers get output 0 and lse +inf (no
 // keys): all rows, or, when the kernel is known to write the first
-// written_rows (cu_seqlens_q[-1], read on the host), only the rest.
+// written_rows (cu_seqlens_q[-1], read on the host), only the rest, and
+// the rng state is left for that kernel to write.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_varlen_outputs(
     const at::Tensor& query, const at::Tensor& value,
     std::optional<int64_t> written_rows = std::nullopt);
