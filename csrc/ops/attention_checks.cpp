@@ -1,6 +1,7 @@
 #include "ops/attention_checks.h"
 
 #include "ops/attention_shapes.h"
+#include "ops/quick_views.h"
 
 #include <algorithm>
 #include <cmath>
@@ -243,7 +244,7 @@ void check_varlen_inputs(const char* op, const at::Tensor& query, const at::Tens
                 table.device());
     PackedBatch rows = batch;
     rows.block_table.reset();
-    return check_varlen_inputs(op, query, key.flatten(0, 1), value.flatten(0, 1), rows,
+    return check_varlen_inputs(op, query, quick_flatten_01(key), quick_flatten_01(value), rows,
                                dropout_p, scale, variants);
   }
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3, op,
@@ -259,7 +260,8 @@ void check_varlen_inputs(const char* op, const at::Tensor& query, const at::Tens
               h, " and ", h_kv);
   // Dtypes, devices, head dims, dropout, scale and the variants as for one
   // sequence: (H, total, E) views of the same tensors.
-  check_attention_inputs(op, query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
+  check_attention_inputs(op, quick_transpose(query, 0, 1), quick_transpose(key, 0, 1),
+                         quick_transpose(value, 0, 1),
                          std::nullopt, dropout_p, scale, /*enable_gqa=*/true, AttentionVariants{
                              variants.window_left, variants.window_right, variants.bottom_right,
                              variants.softcap, std::nullopt, variants.sinks});

@@ -3,6 +3,7 @@
 #include "ops/attention_checks.h"
 #include "ops/attention_shapes.h"
 #include "ops/mask_structure.h"
+#include "ops/quick_views.h"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -163,8 +164,8 @@ AttentionCall::AttentionCall(const char* op, const at::Tensor& query, const at::
     const at::Tensor k = layout_(key), v = layout_(value);
     kept_.insert(kept_.end(), {k, v});
     if (k.size(0) > 0) {  // (no pages: every sequence is empty, nothing is read)
-      p.k = describe_rows(k.select(0, 0), false);
-      p.v = describe_rows(v.select(0, 0), false);
+      p.k = describe_rows(quick_first(k), false);
+      p.v = describe_rows(quick_first(v), false);
     }
     p.k.data = const_cast<void*>(k.const_data_ptr());
     p.v.data = const_cast<void*>(v.const_data_ptr());
@@ -328,7 +329,12 @@ Matrix AttentionCall::describe_in_layout(const at::Tensor& t, bool query_rows) {
 Matrix AttentionCall::describe_lse(const at::Tensor& lse) {
   TORCH_INTERNAL_ASSERT(lse.is_contiguous());
   // (..., H, L) as (..., H, L, 1); (H, total_q) as (total_q, H, 1).
-  if (packed_batch_) return describe_rows(lse.t().unsqueeze(-1), true);
+  if (packed_batch_) {
+    return describe_rows(views_quickly(lse) ? strided_view(lse, {lse.size(1), lse.size(0), 1},
+                                                           {lse.stride(1), lse.stride(0), 1})
+                                            : lse.t().unsqueeze(-1),
+                         true);
+  }
   Matrix m = describe_packed(lse, /*as_column=*/true);
   m.row_stride = 1;  // (a single row may have been read as broadcast)
   return m;

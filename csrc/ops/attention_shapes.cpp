@@ -1,4 +1,5 @@
 #include "ops/attention_shapes.h"
+#include "ops/quick_views.h"
 
 #include <ATen/ExpandUtils.h>
 #include <ATen/ops/empty.h>
@@ -121,7 +122,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_attention_outputs(const 
     physical.push_back(len_q);
     physical.push_back(outer.back());
     physical.push_back(dim_v);
-    out = at::empty_symint(physical, query.options()).transpose(-2, -3);
+    // (quick: the transposed tensor is the storage's only owner once returned)
+    const at::Tensor memory = at::empty_symint(physical, query.options());
+    out = quick_transpose(memory, memory.dim() - 2, memory.dim() - 3);
   } else {
     std::vector<c10::SymInt> out_shape = lse_shape;
     out_shape.push_back(dim_v);

@@ -18,6 +18,7 @@
 // only where one path has an autocast kernel).
 
 #include "ops/attention_checks.h"
+#include "ops/quick_views.h"
 
 #include <fusedmha/attention.h>
 
@@ -92,22 +93,13 @@ at::Tensor per_sequence(const OptTensor& t, int64_t B, int64_t fallback, const c
   return checked_per_sequence(*t, B, name, device).to(device, at::kInt);
 }
 
-// t's elements as sizes and strides say (from t's storage offset), made
-// without the dispatcher: each view op (narrow, transpose) cost a decoding
-// step ~5 us from cold caches, a tenth of the step at S=256. A tensor of its
-// own over t's storage, not an autograd view: for this op's inference only.
-at::Tensor strided_view(const at::Tensor& t, at::IntArrayRef sizes, at::IntArrayRef strides) {
-  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(t.storage()), t.key_set(),
-                                                   t.dtype());
-  impl->set_sizes_and_strides(sizes, strides, t.storage_offset());
-  return at::Tensor(std::move(impl));
-}
-
 // t (4-d) with dims 1 and 2 swapped, (B, L, H, E) as (B, H, L, E) or back,
 // keeping the first `batch` of dim 0 and the first `rows` of dim 1.
+// (ops/quick_views.h: without the dispatcher, where t allows)
 at::Tensor swap_dims_1_2(const at::Tensor& t, int64_t batch, int64_t rows) {
-  return strided_view(t, {batch, t.size(2), rows, t.size(3)},
-                      {t.stride(0), t.stride(2), t.stride(1), t.stride(3)});
+  if (!ops::views_quickly(t)) return t.narrow(0, 0, batch).narrow(1, 0, rows).transpose(1, 2);
+  return ops::strided_view(t, {batch, t.size(2), rows, t.size(3)},
+                           {t.stride(0), t.stride(2), t.stride(1), t.stride(3)});
 }
 
 // 0, 1, ..., n - 1.
@@ -350,13 +342,22 @@ std::tuple<at::Tensor, at::Tensor> attend(
   auto cu_q = [&] {
     return on_cpu ? cumulative(std::vector<int64_t>(B, L)) : at::arange(B + 1, int32).mul(L);
   };
-  auto packed_q = [&] { return query.reshape({B * L, query.size(2), query.size(3)}); };
+  auto packed_q = [&] { return ops::quick_flatten_01(query); };
   auto used = [&] { return seq.seqlens.add(added); };  // (GPU)
   // (B·L rows, H) out and (H, B·L) lse as flash_attn returns them: (B, L, H, E), (B, H, L).
   // (contiguous, whichever path ran: the meta kernel below cannot know which)
   auto unpack = [&](const at::Tensor& out, const at::Tensor& lse) {
-    return std::make_tuple(out.view({B, L, out.size(1), out.size(2)}),
-                           lse.view({lse.size(0), B, L}).transpose(0, 1).contiguous());
+    if (!ops::views_quickly(out) || !ops::views_quickly(lse)) {
+      return std::make_tuple(out.view({B, L, out.size(1), out.size(2)}),
+                             lse.view({lse.size(0), B, L}).transpose(0, 1).contiguous());
+    }
+    // (both contiguous, as the packed kernels return them)
+    return std::make_tuple(
+        ops::strided_view(out, {B, L, out.size(1), out.size(2)},
+                          {L * out.stride(0), out.stride(0), out.stride(1), out.stride(2)}),
+        ops::strided_view(lse, {B, lse.size(0), L},
+                          {L * lse.stride(1), lse.stride(0), lse.stride(1)})
+            .contiguous());
   };
   const bool no_leftpad =
       !has_leftpad ||
