@@ -116,9 +116,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_forward_cpu(
   ops::check_varlen_inputs(ops::kVarlenForwardOp, query, key, value, batch, dropout_p, scale,
                            variants);
   ops::check_packed_batch_values(ops::kVarlenForwardOp, batch, query.size(0), key);
-  // (Every row of a sequence is written by the kernel: only the rest is filled.)
+  // (Every row of a sequence is written by the kernel: where they start at
+  // row 0, only the rows after the last are filled.)
   const at::Tensor cu_q = cu_seqlens_q.contiguous();
-  const int64_t covered = cu_q.const_data_ptr<int32_t>()[cu_q.size(0) - 1];
+  const int32_t* cu = cu_q.const_data_ptr<int32_t>();
+  const std::optional<int64_t> covered =
+      cu[0] == 0 ? std::optional<int64_t>(cu[cu_q.size(0) - 1]) : std::nullopt;
   auto [out, lse, rng_state] = ops::allocate_varlen_outputs(query, value, covered);
   ops::AttentionCall call(ops::kVarlenForwardOp, query, key, value, batch, is_causal, scale,
                           variants, dropout_p, ops::last_dim_contiguous, decode_rows(query));

@@ -468,7 +468,7 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_kernel(
               ": cache_seqlens is needed to append k/v");
   // (Checked before it becomes an int32 tensor, where a value past 2^31 would wrap.)
   TORCH_CHECK(!cache_seqlens_value.has_value() ||
-                  (*cache_seqlens_value >= 0 && *cache_seqlens_value + added <= rows_per_sequence),
+                  (*cache_seqlens_value >= 0 && *cache_seqlens_value <= rows_per_sequence - added),
               kOp, ": cache_seqlens + ", added, " new rows must fit the cache's ",
               rows_per_sequence, " rows per sequence, and cache_seqlens >= 0; got cache_seqlens ",
               cache_seqlens_value.value_or(0));

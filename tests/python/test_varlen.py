@@ -190,13 +190,16 @@ def test_compiles_with_fullgraph():
                                                                             5, 5, causal=True))
 
 
-def test_rows_no_sequence_covers_are_zero():
+@pytest.mark.parametrize("cu_q, uncovered", [([0, 3, 5], [5, 6, 7]), ([2, 3, 5], [0, 1, 5, 6, 7])])
+def test_rows_no_sequence_covers_are_zero(cu_q, uncovered):
+    # (rows before cu_seqlens_q[0] too: the allocator's old bytes must not show there)
+    torch.full((4096,), float("nan"))  # (leaves NaNs in the allocator's free memory)
     q, k, v, _, cu_k = packed_batch("cpu", torch.float32, [4, 4], [4, 4])
-    cu_q = torch.tensor([0, 3, 5], dtype=torch.int32)  # rows 5..7 belong to no sequence
+    cu_q = torch.tensor(cu_q, dtype=torch.int32)
     out, lse, _ = torch.ops.fusedmha.varlen_attention_forward(q, k, v, cu_q, cu_k, 3, 4)
-    assert out[5:].eq(0).all() and lse[:, 5:].eq(float("inf")).all()
+    assert out[uncovered].eq(0).all() and lse[:, uncovered].eq(float("inf")).all()
     gq, gk, gv = torch.autograd.grad(out.sum(), (q, k, v))
-    assert gq[5:].eq(0).all()
+    assert gq[uncovered].eq(0).all()
 
 
 @pytest.mark.parametrize("change, message", [
