@@ -41,6 +41,18 @@ namespace {
 constexpr const char* kOp = "fusedmha.attention_with_kvcache";
 using OptTensor = std::optional<at::Tensor>;
 
+// The op's arguments, as each of its kernels takes them (the schema:
+// csrc/ops/registration.cpp).
+#define KVCACHE_OP_ARGS                                                                        \
+  const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache, const OptTensor& k,           \
+      const OptTensor& v, const OptTensor& rotary_cos, const OptTensor& rotary_sin,            \
+      const OptTensor& cache_seqlens, const OptTensor& cache_batch_idx,                        \
+      const OptTensor& cache_leftpad, const OptTensor& block_table,                            \
+      std::optional<double> scale, bool is_causal, bool rotary_interleaved,                    \
+      int64_t window_left, int64_t window_right, double softcap,                               \
+      const OptTensor& alibi_slopes, const OptTensor& sinks,                                   \
+      std::optional<c10::SymInt> cache_seqlens_sym
+
 // Rotary embedding of the first 2·cos.size(1) dims of x (B, L, H, E) at
 // positions (B, L): adjacent pairs (interleaved, GPT-J) or the two halves
 // (GPT-NeoX) rotated by the angles whose cos and sin the tables hold.
@@ -266,8 +278,7 @@ class RowAppend {
   std::vector<char*> rows_;
 };
 
-// The caches and the new rows on q's device: checked by the shape kernel too,
-// where a meta tensor among CPU ones sends the call.
+// The caches and the new rows on q's device.
 void check_devices(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                    const OptTensor& k, const OptTensor& v) {
   TORCH_CHECK(k_cache.device() == q.device() && v_cache.device() == q.device(), kOp,
@@ -280,19 +291,38 @@ void check_devices(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   }
 }
 
-// The caches are written in place: each must hold distinct elements (not an
-// expand()ed view) and share none with the other or with the new rows, or
-// a write would land on rows that are read or written again. Their dtype and
-// device are checked here too, so that errors name this op, not the kernel
-// it hands the call to.
-void check_caches(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                  const OptTensor& k, const OptTensor& v) {
+// The checks that need no values, for the real kernel and the shape kernel
+// alike: ranks, arguments that go together, dtypes, devices.
+void check_arguments(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const OptTensor& k, const OptTensor& v, const OptTensor& rotary_cos,
+                     const OptTensor& rotary_sin, const OptTensor& cache_seqlens,
+                     bool has_seqlens_value) {
+  TORCH_CHECK(q.dim() == 4 && k_cache.dim() == 4 && v_cache.dim() == 4, kOp,
+              ": expected q (B, L, H, E) and k_cache/v_cache (B_cache, S_cache, H_kv, E) or "
+              "pages (num_pages, page_size, H_kv, E), got ", q.sym_sizes(), ", ",
+              k_cache.sym_sizes(), " and ", v_cache.sym_sizes());
   TORCH_CHECK(at::isFloatingType(q.scalar_type()), kOp,
               ": expected q of dtype float32, float64, bfloat16 or float16, got ", q.scalar_type());
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
               kOp, ": expected k_cache and v_cache of q's dtype (", q.scalar_type(), "), got ",
               k_cache.scalar_type(), " and ", v_cache.scalar_type());
   check_devices(q, k_cache, v_cache, k, v);
+  TORCH_CHECK(k.has_value() == v.has_value(), kOp, ": pass k and v together");
+  TORCH_CHECK(rotary_cos.has_value() == rotary_sin.has_value(), kOp,
+              ": pass rotary_cos and rotary_sin together");
+  TORCH_CHECK(!(cache_seqlens.has_value() && has_seqlens_value), kOp,
+              ": pass cache_seqlens as a tensor or as cache_seqlens_value, not both");
+  TORCH_CHECK(cache_seqlens.has_value() || has_seqlens_value || !k.has_value(), kOp,
+              ": cache_seqlens is needed to append k/v");
+}
+
+// The caches are written in place: each must hold distinct elements (not an
+// expand()ed view) and share none with the other or with the new rows, or
+// a write would land on rows that are read or written again. Their dtype and
+// device are checked here too, so that errors name this op, not the kernel
+// it hands the call to.
+void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache, const OptTensor& k,
+                  const OptTensor& v) {
   if (k.has_value() && v.has_value()) {
     TORCH_CHECK(at::isFloatingType(k->scalar_type()) && at::isFloatingType(v->scalar_type()), kOp,
                 ": expected floating-point k and v, got ", k->scalar_type(), " and ",
@@ -416,28 +446,16 @@ std::tuple<at::Tensor, at::Tensor> attend(
 }
 
 
-std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_kernel(
-    const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache, const OptTensor& k,
-    const OptTensor& v, const OptTensor& rotary_cos, const OptTensor& rotary_sin,
-    const OptTensor& cache_seqlens, const OptTensor& cache_batch_idx,
-    const OptTensor& cache_leftpad, const OptTensor& block_table, std::optional<double> scale,
-    bool is_causal, bool rotary_interleaved, int64_t window_left, int64_t window_right,
-    double softcap, const OptTensor& alibi_slopes, const OptTensor& sinks,
-    std::optional<c10::SymInt> cache_seqlens_sym) {
+std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_kernel(KVCACHE_OP_ARGS) {
   const at::NoGradGuard inference_only;
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   // (A backend kernel gets real tensors, so the int is concrete.)
   const std::optional<int64_t> cache_seqlens_value =
       cache_seqlens_sym.has_value() ? std::optional<int64_t>(cache_seqlens_sym->expect_int())
                                     : std::nullopt;
-  TORCH_CHECK(q.dim() == 4 && k_cache.dim() == 4 && v_cache.dim() == 4, kOp,
-              ": expected q (B, L, H, E) and k_cache/v_cache (B_cache, S_cache, H_kv, E) or "
-              "pages (num_pages, page_size, H_kv, E), got ", q.sizes(), ", ", k_cache.sizes(),
-              " and ", v_cache.sizes());
-  check_caches(q, k_cache, v_cache, k, v);
-  TORCH_CHECK(k.has_value() == v.has_value(), kOp, ": pass k and v together");
-  TORCH_CHECK(rotary_cos.has_value() == rotary_sin.has_value(), kOp,
-              ": pass rotary_cos and rotary_sin together");
+  check_arguments(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                  cache_seqlens_value.has_value());
+  check_caches(k_cache, v_cache, k, v);
   const bool paged = block_table.has_value();
   TORCH_CHECK(!paged || (!cache_batch_idx.has_value() && !cache_leftpad.has_value()), kOp,
               ": cache_batch_idx and cache_leftpad are not supported with block_table (a paged "
@@ -462,10 +480,6 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_kernel(
   const int64_t rows_per_sequence = paged ? page * block_table->size(1) : page;
   const int64_t added = k.has_value() ? k->size(1) : 0;
   const at::Device device = q.device();
-  TORCH_CHECK(!(cache_seqlens.has_value() && cache_seqlens_value.has_value()), kOp,
-              ": pass cache_seqlens as a tensor or as cache_seqlens_value, not both");
-  TORCH_CHECK(cache_seqlens.has_value() || cache_seqlens_value.has_value() || !k.has_value(), kOp,
-              ": cache_seqlens is needed to append k/v");
   // (Checked before it becomes an int32 tensor, where a value past 2^31 would wrap.)
   TORCH_CHECK(!cache_seqlens_value.has_value() ||
                   (*cache_seqlens_value >= 0 && *cache_seqlens_value <= rows_per_sequence - added),
@@ -618,20 +632,9 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_kernel(
 // in q's dtype and the log-sum-exp (B, H, L), both contiguous as every path
 // returns them. The checks that need no values run here too; the rest (the
 // lengths, the pages) wait for the real call.
-std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_meta(
-    const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache, const OptTensor& k,
-    const OptTensor& v, const OptTensor& rotary_cos, const OptTensor& rotary_sin,
-    const OptTensor& cache_seqlens, const OptTensor& cache_batch_idx,
-    const OptTensor& cache_leftpad, const OptTensor& block_table, std::optional<double> scale,
-    bool is_causal, bool rotary_interleaved, int64_t window_left, int64_t window_right,
-    double softcap, const OptTensor& alibi_slopes, const OptTensor& sinks,
-    std::optional<c10::SymInt> cache_seqlens_sym) {
-  TORCH_CHECK(q.dim() == 4 && k_cache.dim() == 4 && v_cache.dim() == 4, kOp,
-              ": expected q (B, L, H, E) and k_cache/v_cache (B_cache, S_cache, H_kv, E) or "
-              "pages (num_pages, page_size, H_kv, E), got ", q.sym_sizes(), ", ",
-              k_cache.sym_sizes(), " and ", v_cache.sym_sizes());
-  TORCH_CHECK(k.has_value() == v.has_value(), kOp, ": pass k and v together");
-  check_devices(q, k_cache, v_cache, k, v);
+std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_meta(KVCACHE_OP_ARGS) {
+  check_arguments(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                  cache_seqlens_sym.has_value());
   // (One meta tensor among CPU ones sends the call here: each is checked.)
   const std::pair<const char*, const OptTensor*> on_q_device[] = {
       {"rotary_cos", &rotary_cos}, {"rotary_sin", &rotary_sin}, {"block_table", &block_table},
@@ -648,17 +651,6 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_meta(
                 ": expected ", name, " on q's device (", q.device(), ") or the CPU, got ",
                 (*t)->device());
   }
-  TORCH_CHECK(rotary_cos.has_value() == rotary_sin.has_value(), kOp,
-              ": pass rotary_cos and rotary_sin together");
-  TORCH_CHECK(!(cache_seqlens.has_value() && cache_seqlens_sym.has_value()), kOp,
-              ": pass cache_seqlens as a tensor or as cache_seqlens_value, not both");
-  TORCH_CHECK(cache_seqlens.has_value() || cache_seqlens_sym.has_value() || !k.has_value(), kOp,
-              ": cache_seqlens is needed to append k/v");
-  TORCH_CHECK(at::isFloatingType(q.scalar_type()), kOp,
-              ": expected q of dtype float32, float64, bfloat16 or float16, got ", q.scalar_type());
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-              kOp, ": expected k_cache and v_cache of q's dtype (", q.scalar_type(), "), got ",
-              k_cache.scalar_type(), " and ", v_cache.scalar_type());
   const auto lse_dtype = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   return {at::empty_symint({q.sym_size(0), q.sym_size(1), q.sym_size(2), v_cache.sym_size(3)},
                            q.options()),
@@ -669,14 +661,7 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_meta(
 // Inference only: below autograd, so the outputs record nothing (as under
 // torch.no_grad()), whatever requires grad. (A kernel of our own, not the
 // boxed fallback: one decoding step pays for each dispatch.)
-std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_autograd(
-    const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache, const OptTensor& k,
-    const OptTensor& v, const OptTensor& rotary_cos, const OptTensor& rotary_sin,
-    const OptTensor& cache_seqlens, const OptTensor& cache_batch_idx,
-    const OptTensor& cache_leftpad, const OptTensor& block_table, std::optional<double> scale,
-    bool is_causal, bool rotary_interleaved, int64_t window_left, int64_t window_right,
-    double softcap, const OptTensor& alibi_slopes, const OptTensor& sinks,
-    std::optional<c10::SymInt> cache_seqlens_value) {
+std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_autograd(KVCACHE_OP_ARGS) {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("fusedmha::attention_with_kvcache", "")
                              .typed<decltype(attention_with_kvcache_autograd)>();
@@ -684,7 +669,7 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_autograd(
   return op.call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                  cache_batch_idx, cache_leftpad, block_table, scale, is_causal,
                  rotary_interleaved, window_left, window_right, softcap, alibi_slopes, sinks,
-                 cache_seqlens_value);
+                 cache_seqlens_sym);
 }
 
 }  // namespace
