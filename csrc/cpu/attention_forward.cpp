@@ -111,11 +111,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_forward_cpu(
     const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& block_table) {
   const AttentionVariants variants{window_left, window_right, bottom_right, softcap,
                                    alibi_slopes, sinks};
-  const ops::PackedBatch batch{cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
-                               block_table};
+  ops::PackedBatch batch{cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
+                         block_table};
   ops::check_varlen_inputs(ops::kVarlenForwardOp, query, key, value, batch, dropout_p, scale,
                            variants);
-  ops::check_packed_batch_values(ops::kVarlenForwardOp, batch, query.size(0), key);
+  // The kernels sized by the longest sequences, not by max_seqlen_q/k, which
+  // may bound them loosely (a cache's capacity, or a generous max): one
+  // query per sequence under a max_seqlen_q of 4096 is still decoding, and
+  // keys fewer than the bound leave no thread idle.
+  std::tie(batch.max_seqlen_q, batch.max_seqlen_k) =
+      ops::check_packed_batch_values(ops::kVarlenForwardOp, batch, query.size(0), key);
   // (Every row of a sequence is written by the kernel: where they start at
   // row 0, only the rows after the last are filled.)
   const at::Tensor cu_q = cu_seqlens_q.contiguous();

@@ -316,8 +316,8 @@ void check_varlen_backward_inputs(const char* op, const at::Tensor& grad_out,
   }
 }
 
-void check_packed_batch_values(const char* op, const PackedBatch& batch, int64_t total_q,
-                               const at::Tensor& key) {
+std::pair<int64_t, int64_t> check_packed_batch_values(const char* op, const PackedBatch& batch,
+                                                      int64_t total_q, const at::Tensor& key) {
   // Read in place and checked in plain loops: a chain of ATen reductions
   // and .item()s cost a few microseconds per op, tens of them per decoding
   // step. (int32 on the CPU: check_varlen_inputs.)
@@ -343,6 +343,7 @@ void check_packed_batch_values(const char* op, const PackedBatch& batch, int64_t
                   ": seqused_k must be >= 0 and at most each sequence's keys in cu_seqlens_k");
     }
   }
+  int64_t longest_q = 0, longest_k = 0;
   using Lengths = std::tuple<const char*, const char*, const at::Tensor*, int64_t, int64_t>;
   for (const auto& [name, max_name, cu_t, total, max_len] :
        {Lengths{"cu_seqlens_q", "max_seqlen_q", &batch.cu_seqlens_q, total_q, batch.max_seqlen_q},
@@ -368,7 +369,9 @@ void check_packed_batch_values(const char* op, const PackedBatch& batch, int64_t
                 " keys does not fit the ", total, " rows its block_table row holds");
     TORCH_CHECK(longest <= max_len, op, ": ", max_name, " = ", max_len,
                 " is smaller than the longest sequence in ", name, " (", longest, ")");
+    (keys ? longest_k : longest_q) = longest;
   }
+  return {longest_q, longest_k};
 }
 
 }  // namespace fusedmha::ops

@@ -14,6 +14,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <optional>
+#include <utility>
 
 namespace fusedmha::ops {
 
@@ -119,8 +120,9 @@ void check_varlen_backward_inputs(const char* op, const at::Tensor& grad_out,
 // non-decreasing from >= 0 up to the rows there are, seqused_k within each
 // sequence's keys, and max_seqlen_q/k at least every length (a smaller
 // bound would leave rows uncomputed); with block_table, page indices in
-// range and every sequence within the pages its table row holds.
-void check_packed_batch_values(const char* op, const PackedBatch& batch, int64_t total_q,
-                               const at::Tensor& key);
+// range and every sequence within the pages its table row holds. Returns
+// the longest query and key sequences (keys: as seqused_k has them).
+std::pair<int64_t, int64_t> check_packed_batch_values(const char* op, const PackedBatch& batch,
+                                                      int64_t total_q, const at::Tensor& key);
 
 }  // namespace fusedmha::ops

@@ -356,13 +356,6 @@ std::tuple<at::Tensor, at::Tensor> attend(
   for (int64_t& n : used_host) n += added;
 
   const auto int32 = at::TensorOptions(device).dtype(at::kInt);
-  // The most keys a sequence has, as the packed call's max_seqlen_k (on the
-  // CPU; elsewhere `bound`): the kernels size their work by it, and the
-  // cache's capacity, a paged cache's above all, can be far more. (A 256-key
-  // sequence in a table of two 256-row pages ran as one item, on one thread.)
-  auto longest = [&](const std::vector<int64_t>& keys, int64_t bound) {
-    return on_cpu && !keys.empty() ? *std::max_element(keys.begin(), keys.end()) : bound;
-  };
   // Cumulative lengths: (on the CPU, from the values read once)
   auto cumulative = [&](const std::vector<int64_t>& lengths) {
     std::vector<int64_t> cu(lengths.size() + 1, 0);
@@ -400,9 +393,8 @@ std::tuple<at::Tensor, at::Tensor> attend(
     const at::Tensor cu_k = on_cpu ? cumulative(used_host)
                                    : at::cat({at::zeros({1}, int32), used().cumsum(0).to(at::kInt)});
     auto [out, lse, rng] = varlen_attention_forward(packed_q(), k_cache, v_cache, cu_q(), cu_k, L,
-                                                    longest(used_host, rows_per_sequence), 0.0,
-                                                    is_causal, scale, variants, std::nullopt,
-                                                    table);
+                                                    rows_per_sequence, 0.0, is_causal, scale,
+                                                    variants, std::nullopt, table);
     return unpack(out, lse);
   }
   // (caches chosen by cache_batch_idx, with left padding: copied)
@@ -423,7 +415,6 @@ std::tuple<at::Tensor, at::Tensor> attend(
   const int64_t S = keys.size(1);
   // Each sequence's first key (past its left padding), then the keys past it.
   at::Tensor starts, lengths;
-  int64_t longest_k = S;
   if (on_cpu) {
     std::vector<int64_t> first(B + 1, B * S), n = used_host;
     for (int64_t b = 0; b < B; ++b) {
@@ -432,7 +423,6 @@ std::tuple<at::Tensor, at::Tensor> attend(
     }
     starts = host_tensor(first);
     lengths = host_tensor(n);
-    longest_k = longest(n, S);
   } else {
     starts = at::cat({at::arange(B, int32).mul(S).add(seq.leftpad), at::full({1}, B * S, int32)});
     lengths = used().sub(seq.leftpad).to(at::kInt);
@@ -440,8 +430,7 @@ std::tuple<at::Tensor, at::Tensor> attend(
   auto [out, lse, rng] = varlen_attention_forward(
       packed_q(), keys.narrow(0, 0, B).reshape({B * S, keys.size(2), keys.size(3)}),
       values.narrow(0, 0, B).reshape({B * S, values.size(2), values.size(3)}), cu_q(), starts, L,
-      longest_k, 0.0,
-      is_causal, scale, variants, lengths);
+      S, 0.0, is_causal, scale, variants, lengths);
   return unpack(out, lse);
 }
 
