@@ -318,9 +318,9 @@ void check_arguments(const at::Tensor& q, const at::Tensor& k_cache, const at::T
 
 // The caches are written in place: each must hold distinct elements (not an
 // expand()ed view) and share none with the other or with the new rows, or
-// a write would land on rows that are read or written again. Their dtype and
-// device are checked here too, so that errors name this op, not the kernel
-// it hands the call to.
+// a write would land on rows that are read or written again. (Dtypes and
+// devices are checked here and in check_arguments, so that errors name this
+// op, not the kernel it hands the call to.)
 void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache, const OptTensor& k,
                   const OptTensor& v) {
   if (k.has_value() && v.has_value()) {
