@@ -292,11 +292,9 @@ void check_devices(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
 }
 
 // The checks that need no values, for the real kernel and the shape kernel
-// alike: ranks, arguments that go together, dtypes, devices.
-void check_arguments(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                     const OptTensor& k, const OptTensor& v, const OptTensor& rotary_cos,
-                     const OptTensor& rotary_sin, const OptTensor& cache_seqlens,
-                     bool has_seqlens_value) {
+// alike: ranks, arguments that go together, dtypes, devices. (Every tensor's
+// device: one meta tensor among CPU ones sends a call to the shape kernel.)
+void check_arguments(KVCACHE_OP_ARGS) {
   TORCH_CHECK(q.dim() == 4 && k_cache.dim() == 4 && v_cache.dim() == 4, kOp,
               ": expected q (B, L, H, E) and k_cache/v_cache (B_cache, S_cache, H_kv, E) or "
               "pages (num_pages, page_size, H_kv, E), got ", q.sym_sizes(), ", ",
@@ -310,10 +308,25 @@ void check_arguments(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   TORCH_CHECK(k.has_value() == v.has_value(), kOp, ": pass k and v together");
   TORCH_CHECK(rotary_cos.has_value() == rotary_sin.has_value(), kOp,
               ": pass rotary_cos and rotary_sin together");
-  TORCH_CHECK(!(cache_seqlens.has_value() && has_seqlens_value), kOp,
+  TORCH_CHECK(!(cache_seqlens.has_value() && cache_seqlens_sym.has_value()), kOp,
               ": pass cache_seqlens as a tensor or as cache_seqlens_value, not both");
-  TORCH_CHECK(cache_seqlens.has_value() || has_seqlens_value || !k.has_value(), kOp,
+  TORCH_CHECK(cache_seqlens.has_value() || cache_seqlens_sym.has_value() || !k.has_value(), kOp,
               ": cache_seqlens is needed to append k/v");
+  const std::pair<const char*, const OptTensor*> on_q_device[] = {
+      {"rotary_cos", &rotary_cos}, {"rotary_sin", &rotary_sin}, {"block_table", &block_table},
+      {"alibi_slopes", &alibi_slopes}, {"sinks", &sinks}};
+  for (const auto& [name, t] : on_q_device) {
+    TORCH_CHECK(!t->has_value() || (*t)->device() == q.device(), kOp, ": expected ", name,
+                " on q's device (", q.device(), "), got ", (*t)->device());
+  }
+  const std::pair<const char*, const OptTensor*> on_q_device_or_cpu[] = {
+      {"cache_seqlens", &cache_seqlens}, {"cache_batch_idx", &cache_batch_idx},
+      {"cache_leftpad", &cache_leftpad}};
+  for (const auto& [name, t] : on_q_device_or_cpu) {
+    TORCH_CHECK(!t->has_value() || (*t)->device() == q.device() || (*t)->is_cpu(), kOp,
+                ": expected ", name, " on q's device (", q.device(), ") or the CPU, got ",
+                (*t)->device());
+  }
 }
 
 // The caches are written in place: each must hold distinct elements (not an
@@ -443,7 +456,9 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_kernel(KVCACHE_OP_ARGS
       cache_seqlens_sym.has_value() ? std::optional<int64_t>(cache_seqlens_sym->expect_int())
                                     : std::nullopt;
   check_arguments(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-                  cache_seqlens_value.has_value());
+                  cache_batch_idx, cache_leftpad, block_table, scale, is_causal,
+                  rotary_interleaved, window_left, window_right, softcap, alibi_slopes, sinks,
+                  cache_seqlens_sym);
   check_caches(k_cache, v_cache, k, v);
   const bool paged = block_table.has_value();
   TORCH_CHECK(!paged || (!cache_batch_idx.has_value() && !cache_leftpad.has_value()), kOp,
@@ -491,9 +506,6 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_kernel(KVCACHE_OP_ARGS
                 kOp, ": expected rotary_cos and rotary_sin of one floating dtype and shape "
                 "(seqlen_ro, rotary_dim / 2) with rotary_dim <= E = ", q.size(3), ", got ",
                 cos.scalar_type(), " ", cos.sizes(), " and ", sin.scalar_type(), " ", sin.sizes());
-    TORCH_CHECK(cos.device() == device && sin.device() == device, kOp,
-                ": expected rotary_cos and rotary_sin on q's device (", device, "), got ",
-                cos.device(), " and ", sin.device());
   }
   // The variants too, before anything is written into the caches.
   ops::check_variants(kOp, q, {q.sym_size(0), q.sym_size(2)},
@@ -623,23 +635,9 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_kernel(KVCACHE_OP_ARGS
 // lengths, the pages) wait for the real call.
 std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_meta(KVCACHE_OP_ARGS) {
   check_arguments(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-                  cache_seqlens_sym.has_value());
-  // (One meta tensor among CPU ones sends the call here: each is checked.)
-  const std::pair<const char*, const OptTensor*> on_q_device[] = {
-      {"rotary_cos", &rotary_cos}, {"rotary_sin", &rotary_sin}, {"block_table", &block_table},
-      {"alibi_slopes", &alibi_slopes}, {"sinks", &sinks}};
-  for (const auto& [name, t] : on_q_device) {
-    TORCH_CHECK(!t->has_value() || (*t)->device() == q.device(), kOp, ": expected ", name,
-                " on q's device (", q.device(), "), got ", (*t)->device());
-  }
-  const std::pair<const char*, const OptTensor*> on_q_device_or_cpu[] = {
-      {"cache_seqlens", &cache_seqlens}, {"cache_batch_idx", &cache_batch_idx},
-      {"cache_leftpad", &cache_leftpad}};
-  for (const auto& [name, t] : on_q_device_or_cpu) {
-    TORCH_CHECK(!t->has_value() || (*t)->device() == q.device() || (*t)->is_cpu(), kOp,
-                ": expected ", name, " on q's device (", q.device(), ") or the CPU, got ",
-                (*t)->device());
-  }
+                  cache_batch_idx, cache_leftpad, block_table, scale, is_causal,
+                  rotary_interleaved, window_left, window_right, softcap, alibi_slopes, sinks,
+                  cache_seqlens_sym);
   const auto lse_dtype = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   return {at::empty_symint({q.sym_size(0), q.sym_size(1), q.sym_size(2), v_cache.sym_size(3)},
                            q.options()),
