@@ -568,13 +568,21 @@ inline void microkernel_rows(int64_t m, const acc_t* a, int64_t lda, const acc_t
   }
 }
 
-// Sums of more than kSumChunk terms (the head dim of a score, the rows of a
-// gradient) go in chunks of kSumChunk, each summed from 0 in the registers
-// and then added to c. One float chain over a 256-dim head had 2.4x the
-// error of MKL's SGEMM (an output error past twice PyTorch's at E = 256 with
-// scale 2); chunks of 64 as little as MKL's, for a load and an add of the
-// tile per 64 FMA steps. few_row_scores splits its sums alike (the same bits).
+// Sums of more than kSumChunk terms (the rows of a gradient, P·V's keys) go
+// in chunks of kSumChunk, each summed from 0 in the registers and then added
+// to c: a load and an add of the tile per chunk.
 constexpr int64_t kSumChunk = 64;
+
+// The scores' sums over the head dim go in shorter chunks: an error δ in a
+// score is a relative error δ in its probability, and with large scores
+// (|s| ~ 50 at scale 2) a float chain's rounding grows with its length. One
+// chain over a 256-dim head had 2.4x the error of MKL's SGEMM; chains of 64
+// dims still put the output past twice PyTorch's error (the fuzzer's bound)
+// in 4-8% of random calls at scale 2 with E = 64-256 (a float64 model of the
+// chains; the fuzzer found 2 such calls in 100000), chains of 32 in none of
+// 300 (median error 0.9-1.0x PyTorch's, against 1.0-2.1x). few_row_scores
+// splits its sums alike (the same bits).
+constexpr int64_t kScoreSumChunk = 32;
 
 // c[m × ncols] (+)= a[m × n] · b[n × ncols] with ncols a multiple of the panel
 // width, as a grid of micro-kernel calls. b_panel(col) gives the start of the
@@ -582,7 +590,7 @@ constexpr int64_t kSumChunk = 64;
 // into a kernel's item loop, GCC ran out of general registers and kept the
 // score kernel's row pointers on the stack (loads and stores every step).
 template <typename acc_t, bool kRowsOfA, bool kAccumulate, typename BPanel,
-          typename Epilogue = NoEpilogue>
+          typename Epilogue = NoEpilogue, int64_t kChunk = kSumChunk>
 __attribute__((noinline)) void gemm(int64_t m, int64_t ncols, int64_t n, const acc_t* a, int64_t lda,
                  BPanel b_panel, int64_t b_step, acc_t* c, int64_t ldc,
                  const Epilogue& ep = {}, PrefetchQueue* prefetch = nullptr) {
@@ -596,17 +604,17 @@ __attribute__((noinline)) void gemm(int64_t m, int64_t ncols, int64_t n, const a
       const int64_t mi = std::min(kMicroRows, m - i);
       const acc_t* ai = kRowsOfA ? a + i * lda : a + i;
       acc_t* ci = c + i * ldc + col;
-      if (n <= kSumChunk) {
+      if (n <= kChunk) {
         microkernel_rows<acc_t, kRowsOfA, kAccumulate>(mi, ai, lda, b, b_step, n, ci, ldc, ep);
         continue;
       }
-      microkernel_rows<acc_t, kRowsOfA, kAccumulate>(mi, ai, lda, b, b_step, kSumChunk, ci, ldc,
+      microkernel_rows<acc_t, kRowsOfA, kAccumulate>(mi, ai, lda, b, b_step, kChunk, ci, ldc,
                                                      NoEpilogue{});
-      for (int64_t t = kSumChunk; t < n; t += kSumChunk) {
+      for (int64_t t = kChunk; t < n; t += kChunk) {
         const acc_t* a_t = kRowsOfA ? ai + t : ai + t * lda;  // (column t of a)
-        if (t + kSumChunk < n) {
+        if (t + kChunk < n) {
           microkernel_rows<acc_t, kRowsOfA, false, NoEpilogue, kMicroRows, 2, /*kAddToC=*/true>(
-              mi, a_t, lda, b + t * b_step, b_step, kSumChunk, ci, ldc, NoEpilogue{});
+              mi, a_t, lda, b + t * b_step, b_step, kChunk, ci, ldc, NoEpilogue{});
         } else {
           microkernel_rows<acc_t, kRowsOfA, false, Epilogue, kMicroRows, 2, /*kAddToC=*/true>(
               mi, a_t, lda, b + t * b_step, b_step, n - t, ci, ldc, ep);
@@ -974,12 +982,12 @@ class TileReader {
   // reading the keys in place: no transpose, and nothing written but st.
   // The head dim goes in steps of kLaneSteps (each step's sums kept in st,
   // exact), with a prefetch burst before each: decoding's next K/V block
-  // streams in evenly over this block's work. After the first kSumChunk
+  // streams in evenly over this block's work. After the first kScoreSumChunk
   // dims, each chunk's steps sum in `chunk` and are then added to st: the
   // micro-kernel's own order, so the scores equal the GEMM's to the bit.
   static constexpr int64_t kLaneKeys = 8;  // chains: FMA latency × ports on current x86
   static constexpr int64_t kLaneSteps = 16;
-  static_assert(kSumChunk % kLaneSteps == 0, "a lane step never spans two sum chunks");
+  static_assert(kScoreSumChunk % kLaneSteps == 0, "a lane step never spans two sum chunks");
   __attribute__((noinline)) void lane_scores(const acc_t* k, int64_t ldk, int64_t cols,
                                              const acc_t* qt, int64_t bq, acc_t* st,
                                              PrefetchQueue* prefetch) const {
@@ -996,16 +1004,16 @@ class TileReader {
       for (int64_t e = 0; e < d; e += kLaneSteps) {
         if (prefetch) prefetch->issue();
         const int64_t n = std::min(kLaneSteps, d - e);
-        acc_t* c = e < kSumChunk ? sj : chunk;
-        const int64_t ldc = e < kSumChunk ? bq : w;
-        if (e % kSumChunk == 0) {
+        acc_t* c = e < kScoreSumChunk ? sj : chunk;
+        const int64_t ldc = e < kScoreSumChunk ? bq : w;
+        if (e % kScoreSumChunk == 0) {
           microkernel_rows<acc_t, /*kRowsOfA=*/true, /*kAccumulate=*/false, NoEpilogue, kLaneKeys,
                            1>(m, kj + e, ldk, qt + e * nr, nr, n, c, ldc, NoEpilogue{});
         } else {
           microkernel_rows<acc_t, /*kRowsOfA=*/true, /*kAccumulate=*/true, NoEpilogue, kLaneKeys,
                            1>(m, kj + e, ldk, qt + e * nr, nr, n, c, ldc, NoEpilogue{});
         }
-        if (c == chunk && (e + n == d || (e + n) % kSumChunk == 0)) {  // (a chunk's last step)
+        if (c == chunk && (e + n == d || (e + n) % kScoreSumChunk == 0)) {  // (a chunk's last step)
           for (int64_t i = 0; i < m; ++i) {
             (Vec::loadu(chunk + i * w) + Vec::loadu(sj + i * bq)).store(sj + i * bq);
           }
@@ -1078,23 +1086,23 @@ class TileReader {
                                             PrefetchQueue* prefetch) const {
     const int64_t d = p_.dim_qk;
     const acc_t* q = qt + i;  // (row i + r, dim e at q[e·ldq + r])
-    // In chunks of kSumChunk dims, as the micro-kernel sums (the same bits).
+    // In chunks of kScoreSumChunk dims, as the micro-kernel sums (the same bits).
     // The accumulators are of the register type, and every loop over them
     // is one flat loop over t = r·V + v (see Register).
     typename Register<acc_t>::type a[R * V];
     alignas(64) acc_t total[R * V * w];
 #pragma GCC unroll 8
     for (int t = 0; t < R * V; ++t) a[t] = Vec(acc_t(0));
-    for (int64_t e0 = 0; e0 < d; e0 += kSumChunk) {
+    for (int64_t e0 = 0; e0 < d; e0 += kScoreSumChunk) {
       if (e0 > 0) {
 #pragma GCC unroll 8
         for (int t = 0; t < R * V; ++t) {
-          if (e0 > kSumChunk) a[t] = Vec(a[t]) + Vec::loadu(total + t * w);
+          if (e0 > kScoreSumChunk) a[t] = Vec(a[t]) + Vec::loadu(total + t * w);
           Vec(a[t]).store(total + t * w);
           a[t] = Vec(acc_t(0));
         }
       }
-      for (int64_t e = e0, e1 = std::min(d, e0 + kSumChunk); e < e1; ++e) {
+      for (int64_t e = e0, e1 = std::min(d, e0 + kScoreSumChunk); e < e1; ++e) {
         if (prefetch && e % kScoreDimsPerBurst == 0) prefetch->issue();
         const acc_t* keys = kt + e * ldt + j0;
 #pragma GCC unroll 8
@@ -1103,7 +1111,7 @@ class TileReader {
         }
       }
     }
-    if (d > kSumChunk) {
+    if (d > kScoreSumChunk) {
 #pragma GCC unroll 8
       for (int t = 0; t < R * V; ++t) a[t] = Vec(a[t]) + Vec::loadu(total + t * w);
     }
@@ -1290,11 +1298,11 @@ class TileReader {
     auto q_panel = [&](int64_t c) { return qt + c * d; };
     if (p_.softcap > 0) {
       const SoftcapEpilogue<acc_t> cap(static_cast<acc_t>(p_.softcap));
-      gemm<acc_t, kRowsOfA, /*kAccumulate=*/false>(cols, bq, d, k, ldk, q_panel, nr, st, bq, cap,
-                                                   prefetch);
+      gemm<acc_t, kRowsOfA, /*kAccumulate=*/false, decltype(q_panel), SoftcapEpilogue<acc_t>,
+           kScoreSumChunk>(cols, bq, d, k, ldk, q_panel, nr, st, bq, cap, prefetch);
     } else {
-      gemm<acc_t, kRowsOfA, /*kAccumulate=*/false>(cols, bq, d, k, ldk, q_panel, nr, st, bq,
-                                                   NoEpilogue{}, prefetch);
+      gemm<acc_t, kRowsOfA, /*kAccumulate=*/false, decltype(q_panel), NoEpilogue,
+           kScoreSumChunk>(cols, bq, d, k, ldk, q_panel, nr, st, bq, NoEpilogue{}, prefetch);
     }
   }
 
