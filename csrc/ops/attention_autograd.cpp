@@ -200,11 +200,20 @@ class AttentionWeightsFunction : public torch::autograd::Function<AttentionWeigh
     const at::Tensor &query = saved[0], &key = saved[1], &lse = saved[2];
     const auto acc = lse.scalar_type();
     const AttentionCall call = AttentionCall::load(ctx);
+    // P and W recomputed from the inputs widened to lse's dtype (float for
+    // half precision: the same scores), not in the input dtype: rounded to
+    // bf16, each probability carried an error of up to 2^-9, and the
+    // gradients of q and k came out about twice as far from the truth as
+    // their own rounding.
+    const at::Tensor q = query.to(acc), k_acc = key.to(acc);
+    std::optional<at::Tensor> mask = call.attn_mask;
+    if (mask.has_value() && mask->is_floating_point()) mask = mask->to(acc);
+    AttentionVariants variants = call.variants;
+    if (variants.sinks.has_value()) variants.sinks = variants.sinks->to(acc);
     auto weights_per_head = [&](double dropout_p) {
-      return fusedmha::attention_weights(query, key, lse, saved[3], call.attn_mask, dropout_p,
+      return fusedmha::attention_weights(q, k_acc, lse, saved[3], mask, dropout_p,
                                          call.is_causal, call.scale, call.enable_gqa,
-                                         /*average_heads=*/false, call.variants)
-          .to(acc);
+                                         /*average_heads=*/false, variants);
     };
     const at::Tensor kept = weights_per_head(call.dropout_p);
     const at::Tensor probs = call.dropout_p > 0 ? weights_per_head(0.0) : kept;
@@ -216,11 +225,10 @@ class AttentionWeightsFunction : public torch::autograd::Function<AttentionWeigh
     // constants, or zero P).
     at::Tensor grad_scores = grad_kept.sub(probs.mul(row_sums));
 
-    at::Tensor k = key.to(acc);
+    at::Tensor k = k_acc;
     if (key.dim() >= 3 && k.size(-3) != 1 && k.size(-3) != grad_scores.size(-3)) {
       k = k.repeat_interleave(grad_scores.size(-3) / k.size(-3), -3);  // GQA groups
     }
-    const at::Tensor q = query.to(acc);
     const double scale = attention_scale(query, call.scale);
     if (call.variants.softcap > 0) {
       // s = c·tanh(r / c) of the scaled product r: ds/dr = 1 − tanh².
