@@ -580,7 +580,7 @@ constexpr int64_t kSumChunk = 64;
 // dims still put the output past twice PyTorch's error (the fuzzer's bound)
 // in 4-8% of random calls at scale 2 with E = 64-256 (a float64 model of the
 // chains; the fuzzer found 2 such calls in 100000), chains of 32 in none of
-// 300 (median error 0.9-1.0x PyTorch's, against 1.0-2.1x). few_row_scores
+// 300 (median error 0.9-1.04x PyTorch's, against 1.0-2.1x). few_row_scores
 // splits its sums alike (the same bits).
 constexpr int64_t kScoreSumChunk = 32;
 

@@ -8,6 +8,7 @@
 
 #include <fusedmha/attention.h>
 
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
@@ -204,16 +205,18 @@ class AttentionWeightsFunction : public torch::autograd::Function<AttentionWeigh
     // half precision: the same scores), not in the input dtype: rounded to
     // bf16, each probability carried an error of up to 2^-9, and the
     // gradients of q and k came out about twice as far from the truth as
-    // their own rounding.
+    // their own rounding. (A half-precision float mask is widened with them;
+    // a float32 one is taken as it is.) With autocast off for the whole
+    // pass: active here when backward() runs inside torch.autocast, it cast
+    // the widened inputs back down, and ran the matmuls below in bf16.
+    const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     const at::Tensor q = query.to(acc), k_acc = key.to(acc);
     std::optional<at::Tensor> mask = call.attn_mask;
-    if (mask.has_value() && mask->is_floating_point()) mask = mask->to(acc);
-    AttentionVariants variants = call.variants;
-    if (variants.sinks.has_value()) variants.sinks = variants.sinks->to(acc);
+    if (mask.has_value() && at::isReducedFloatingType(mask->scalar_type())) mask = mask->to(acc);
     auto weights_per_head = [&](double dropout_p) {
       return fusedmha::attention_weights(q, k_acc, lse, saved[3], mask, dropout_p,
                                          call.is_causal, call.scale, call.enable_gqa,
-                                         /*average_heads=*/false, variants);
+                                         /*average_heads=*/false, call.variants);
     };
     const at::Tensor kept = weights_per_head(call.dropout_p);
     const at::Tensor probs = call.dropout_p > 0 ? weights_per_head(0.0) : kept;

@@ -134,6 +134,26 @@ def test_half_precision_gradients_are_rounded_once(dtype):
     assert worst <= 1.3, worst
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_inside_autocast_gives_the_same_gradients(dtype):
+    """backward() called inside torch.autocast (on the CPU it runs on the calling thread, with
+    autocast on): the weights' backward runs with autocast off, as outside it, where autocast
+    had cast its widened inputs back to bf16 and run its matmuls in bf16."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 3, 37, 16, generator=g).to(dtype).requires_grad_()
+    k = torch.randn(2, 3, 53, 16, generator=g).to(dtype).requires_grad_()
+    mask = torch.randn(37, 53, generator=g).to(dtype)
+    grad = torch.randn(2, 3, 37, 53, generator=g).to(dtype)
+
+    def gradients(autocast):
+        _, weights = forward_and_weights(q, k, k.detach(), mask)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            return torch.autograd.grad(weights, (q, k), grad)
+
+    for a, b in zip(gradients(False), gradients(True)):
+        assert torch.equal(a, b)
+
+
 def test_opcheck(rand):
     q, k, v = rand(2, 3, 9, 8), rand(2, 3, 11, 8), rand(2, 3, 11, 8)
     q.requires_grad_()

@@ -339,7 +339,7 @@ def test_large_scores_as_accurate_as_pytorch():
     error against the float64 truth is, in the median, within 1.3x PyTorch's own. (With the
     head dim summed in chains of 64, the median was 1.4-2.2x, and 1 call in 20 was past twice
     PyTorch's error, the fuzzer's bound; with chains of 32, 1.0-1.2x.)"""
-    ratios = []
+    ratios, medians = [], {}
     for E in (64, 65, 128):
         for seed in range(48):
             g = torch.Generator().manual_seed(seed)
@@ -348,8 +348,9 @@ def test_large_scores_as_accurate_as_pytorch():
             ours = (sdpa(q, k, v, scale=2.0).double() - truth).abs().max().item()
             theirs = (F.scaled_dot_product_attention(q, k, v, scale=2.0).double() - truth).abs().max().item()
             ratios.append(ours / theirs)
+        medians[E] = sorted(ratios[-48:])[24]
     ratios.sort()
-    assert ratios[len(ratios) // 2] <= 1.3, ratios[len(ratios) // 2]
+    assert ratios[len(ratios) // 2] <= 1.3, f"median {ratios[len(ratios) // 2]:.2f}, by E {medians}"
 
 
 def test_matches_pytorch_positional_and_keyword_calls(device, rand):
