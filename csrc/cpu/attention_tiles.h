@@ -136,32 +136,27 @@ inline void bool_terms(const bool* src, acc_t* dst, int64_t n) {
   for (; e < n; ++e) dst[e] = bytes[e] ? acc_t(0) : neg_inf<acc_t>();
 }
 
-// A bool mask's 16 rows (queries; ld apart) × n keys, as the queries each
-// key hides: blocked[j] has bit i set where row i's key j is false. Each row
-// is read 64 keys at a time and reduced to bits at once, and the bits are
-// transposed with a few byte shuffles, so a per-head (B, H, L, S) bool mask
-// no longer goes through float terms and 16 × 16 float transposes per head
-// (Zen 4, B=4, H=8, L=S=1024, E=64: the forward with such a mask ran at 0.90
-// of the unmasked speed, 0.93 with this; forward + backward 0.91, 0.95). On
-// AVX2 the same scheme (8 rows, lane masks from a table) was no faster than
-// the terms' path, so AVX2 keeps that. n <= kBlockedKeys; blocked[j] for
-// j >= n is meaningless (read [0, n) only).
 #if defined(CPU_CAPABILITY_AVX512)
 constexpr int64_t kBlockedKeys = 64;
-inline void blocked_queries(const bool* m, int64_t ld, int64_t n, uint16_t* blocked) {
+
+// The keys [0, n) (n <= kBlockedKeys) that a bool mask's row hides, as bits:
+// bit j set where key j is false (bits j >= n are meaningless).
+inline uint64_t hidden_keys(const bool* row, int64_t n) {
   const __mmask64 valid = n >= 64 ? ~__mmask64{0} : (__mmask64{1} << n) - 1;
-  alignas(64) uint64_t bits[16];  // bits[i]: bit j where row i hides key j
-  for (int64_t i = 0; i < 16; ++i) {
-    const __m512i row = _mm512_maskz_loadu_epi8(valid, m + i * ld);
-    bits[i] = _mm512_testn_epi8_mask(row, row);
-  }
+  const __m512i x = _mm512_maskz_loadu_epi8(valid, row);
+  return _mm512_testn_epi8_mask(x, x);
+}
+
+// 16 rows' hidden keys (bits[i]: row i's, as hidden_keys gives them) as the
+// queries each key hides: blocked[j] has bit i set where row i hides key j.
+inline void blocked_from_bits(const uint64_t* bits, uint16_t* blocked) {
   // x[h] byte 16c + i = byte 4h + c of bits[i] (keys 8(4h + c) on): the
   // rows' bytes of one group of 8 keys side by side. First each 128-bit lane
   // (rows 2l, 2l + 1) pairs the two rows' bytes c; then 16-bit permutes
   // gather the 8 pairs of each group.
   const __m512i pairs = _mm512_set4_epi32(0x0f070e06, 0x0d050c04, 0x0b030a02, 0x09010800);
-  const __m512i lo = _mm512_shuffle_epi8(_mm512_load_si512(bits), pairs);      // rows 0–7
-  const __m512i hi = _mm512_shuffle_epi8(_mm512_load_si512(bits + 8), pairs);  // rows 8–15
+  const __m512i lo = _mm512_shuffle_epi8(_mm512_loadu_si512(bits), pairs);      // rows 0–7
+  const __m512i hi = _mm512_shuffle_epi8(_mm512_loadu_si512(bits + 8), pairs);  // rows 8–15
   alignas(64) static constexpr auto gather = [] {
     std::array<uint16_t, 64> idx{};
     for (int h = 0; h < 2; ++h) {
@@ -184,6 +179,22 @@ inline void blocked_queries(const bool* m, int64_t ld, int64_t n, uint16_t* bloc
       for (int c = 0; c < 4; ++c) blocked[8 * (4 * h + c) + b] = static_cast<uint16_t>(r >> (16 * c));
     }
   }
+}
+
+// A bool mask's 16 rows (queries; ld apart) × n keys, as the queries each
+// key hides: blocked[j] has bit i set where row i's key j is false. Each row
+// is read 64 keys at a time and reduced to bits at once, and the bits are
+// transposed with a few byte shuffles, so a per-head (B, H, L, S) bool mask
+// no longer goes through float terms and 16 × 16 float transposes per head
+// (Zen 4, B=4, H=8, L=S=1024, E=64: the forward with such a mask ran at 0.90
+// of the unmasked speed, 0.93 with this; forward + backward 0.91, 0.95). On
+// AVX2 the same scheme (8 rows, lane masks from a table) was no faster than
+// the terms' path, so AVX2 keeps that. n <= kBlockedKeys; blocked[j] for
+// j >= n is meaningless (read [0, n) only).
+inline void blocked_queries(const bool* m, int64_t ld, int64_t n, uint16_t* blocked) {
+  alignas(64) uint64_t bits[16];  // bits[i]: bit j where row i hides key j
+  for (int64_t i = 0; i < 16; ++i) bits[i] = hidden_keys(m + i * ld, n);
+  blocked_from_bits(bits, blocked);
 }
 #endif
 
@@ -768,6 +779,15 @@ void run_item_for_dtype(DType dtype, const Params& p, const WorkSplit& split, in
   with_kernel_for_dtype<Kernel>(dtype, p, split, workspace, [&](auto& k) { k.run(item); });
 }
 
+// A bool mask's hidden keys over a span of key blocks, read once for a
+// query block (TileReader::read_mask_bits) instead of once per key block:
+// bits[c·stride + i] has bit j set where row i hides key kBlockedKeys·c + j
+// of the span. (Empty: the tile reads the mask itself.)
+struct MaskBits {
+  const uint64_t* bits = nullptr;
+  int64_t stride = 0;
+};
+
 // Reads the inputs described by AttentionParams tile by tile, in the layouts
 // the micro-kernels want, widening half precision to acc_t.
 template <typename scalar_t, typename acc_t>
@@ -905,6 +925,28 @@ class TileReader {
       queue.add(first, mk.row_stride * size, rows > 0 && mk.row_stride == 0 ? 1 : rows,
                 cols * size);
     });
+  }
+  // The hidden keys of outer index o's mask rows q0..q0+rows over keys
+  // k0..k0+cols, into bits as MaskBits lays them out (stride apart). Each
+  // row is read once for the span, a few lines in a row, where the tiles
+  // read it once per key block: every row of a (B, H, L, S) mask 4 KiB or
+  // more long is a page of its own, and a query block's 512 rows missed the
+  // L1 TLB at every block (Zen 4: such a mask on 2 MiB pages cost half as
+  // much).
+  void read_mask_bits(int64_t o, int64_t q0, int64_t rows, int64_t k0, int64_t cols,
+                      uint64_t* bits, int64_t stride) const {
+#if defined(CPU_CAPABILITY_AVX512)
+    const Matrix& mk = p_.mask;
+    const bool* row = matrix_start<const bool>(p_.outer, mk, o) + q0 * mk.row_stride + k0;
+    for (int64_t i = 0; i < rows; ++i, row += mk.row_stride) {
+      for (int64_t j0 = 0; j0 < cols; j0 += kBlockedKeys) {
+        const int64_t n = std::min(kBlockedKeys, cols - j0);
+        bits[j0 / kBlockedKeys * stride + i] = hidden_keys(row + j0, n);
+      }
+    }
+#else
+    (void)o, (void)q0, (void)rows, (void)k0, (void)cols, (void)bits, (void)stride;
+#endif
   }
   // Queues keys k0..k0+cols of K or V (dim wide) to be brought into L2.
   void queue_key_rows(PrefetchQueue& queue, KeySide side, int64_t o, int64_t k0, int64_t cols,
@@ -1171,10 +1213,13 @@ class TileReader {
   // out: the caller adds mask_terms' tile (shared by several heads) itself.
   // A period p > 0 (decoding's merged heads: rows of several heads, p
   // each, that share the rest) takes row i as query q0 + i % p for the band;
-  // then there is no ALiBi and no mask.
+  // then there is no ALiBi and no mask. With bits (a per-head bool mask's
+  // hidden keys read ahead: the tile's first row's, in the block's chunk),
+  // the tile's whole strips of w rows take them instead of the mask's rows.
   void transform_scores(int64_t o, int64_t q0, int64_t rows, int64_t bq, int64_t k0,
                         int64_t cols, acc_t* st, acc_t* mt, acc_t* dcap = nullptr,
-                        bool shared_terms = false, int64_t period = 0) const {
+                        bool shared_terms = false, int64_t period = 0,
+                        const MaskBits& bits = {}) const {
     if (p_.softcap > 0 && dcap) softcap_derivative(cols * bq, st, dcap);
     if (p_.alibi_slopes.data) apply_alibi(o, q0, bq, k0, cols, st);
     if (has_band(p_)) {
@@ -1188,7 +1233,7 @@ class TileReader {
     std::fill(st + last * bq, st + cols * bq, neg_inf<acc_t>());
     if (shared_terms) return;
     with_mask_type([&](auto mask) {
-      apply_mask<decltype(mask), /*kAdd=*/true>(o, q0, rows, bq, k0, cols, st, mt);
+      apply_mask<decltype(mask), /*kAdd=*/true>(o, q0, rows, bq, k0, cols, st, mt, bits);
     });
   }
 
@@ -1396,7 +1441,7 @@ class TileReader {
   // masks only; lanes from round_up(rows, w) on are left alone either way).
   template <typename mask_t, bool kAdd>
   void apply_mask(int64_t o, int64_t q0, int64_t rows, int64_t bq, int64_t k0, int64_t cols,
-                  acc_t* st, acc_t* mt) const {
+                  acc_t* st, acc_t* mt, const MaskBits& bits = {}) const {
     const Matrix& mk = p_.mask;
     const int64_t cs = mk.col_stride;
     const mask_t* base = matrix_start<const mask_t>(p_.outer, mk, o) + k0 * cs;
@@ -1419,6 +1464,10 @@ class TileReader {
 #if defined(CPU_CAPABILITY_AVX512)
       if constexpr (std::is_same_v<mask_t, bool> && std::is_same_v<acc_t, float>) {
         static_assert(w == 16, "bool_strip takes strips of 16 float lanes");
+        if (bits.bits && i0 + w <= rows) {
+          bool_strip<kAdd>(MaskBits{bits.bits + i0, bits.stride}, cols, st + i0, bq);
+          continue;
+        }
         if (cs == 1 && i0 + w <= rows) {
           bool_strip<kAdd>(base + (q0 + i0) * mk.row_stride, mk.row_stride, cols, st + i0, bq);
           continue;
@@ -1489,19 +1538,32 @@ class TileReader {
   // stores the terms, 0 or −inf.
   template <bool kAdd>
   static void bool_strip(const bool* m, int64_t ld, int64_t cols, float* st, int64_t bq) {
-    const __m512 vneg_inf = _mm512_set1_ps(neg_inf<float>());
     uint16_t blocked[kBlockedKeys];
     for (int64_t j0 = 0; j0 < cols; j0 += kBlockedKeys) {
       const int64_t n = std::min(kBlockedKeys, cols - j0);
       blocked_queries(m + j0, ld, n, blocked);
-      for (int64_t j = 0; j < n; ++j) {
-        float* s = st + (j0 + j) * bq;
-        if constexpr (kAdd) {
-          const __m512 x = _mm512_loadu_ps(s);
-          _mm512_storeu_ps(s, _mm512_mask_add_ps(x, blocked[j], x, vneg_inf));
-        } else {
-          _mm512_storeu_ps(s, _mm512_maskz_mov_ps(blocked[j], vneg_inf));
-        }
+      add_blocked<kAdd>(blocked, n, st + j0 * bq, bq);
+    }
+  }
+  // The same from the strip's hidden keys read ahead (bits: its first row's).
+  template <bool kAdd>
+  static void bool_strip(const MaskBits& bits, int64_t cols, float* st, int64_t bq) {
+    uint16_t blocked[kBlockedKeys];
+    for (int64_t j0 = 0; j0 < cols; j0 += kBlockedKeys) {
+      blocked_from_bits(bits.bits + j0 / kBlockedKeys * bits.stride, blocked);
+      add_blocked<kAdd>(blocked, std::min(kBlockedKeys, cols - j0), st + j0 * bq, bq);
+    }
+  }
+  template <bool kAdd>
+  static void add_blocked(const uint16_t* blocked, int64_t n, float* st, int64_t bq) {
+    const __m512 vneg_inf = _mm512_set1_ps(neg_inf<float>());
+    for (int64_t j = 0; j < n; ++j) {
+      float* s = st + j * bq;
+      if constexpr (kAdd) {
+        const __m512 x = _mm512_loadu_ps(s);
+        _mm512_storeu_ps(s, _mm512_mask_add_ps(x, blocked[j], x, vneg_inf));
+      } else {
+        _mm512_storeu_ps(s, _mm512_maskz_mov_ps(blocked[j], vneg_inf));
       }
     }
   }

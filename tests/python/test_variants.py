@@ -149,6 +149,27 @@ def test_opcheck_with_variants():
     torch.library.opcheck(torch.ops.fusedmha.attention_weights, (q, k, lse, rng), kw)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", ["plain", "causal", "window"])
+def test_mask_per_head_over_spans_of_key_blocks(device, name, dtype):
+    """A bool mask per head whose rows the CPU kernel reads several key blocks at a time
+    (read_mask_bits): query blocks of 512 rows and a tail of 88 (a strip of 8), keys in spans
+    of 4 blocks of 64 and a last one of 188 (a block of 60), rows a stride apart (a slice of a
+    wider mask), and bands whose first key is not a span's (a window starts inside one)."""
+    B, H, L, S, E = 1, 2, 600, 700, 32
+    q = torch.randn(B, H, L, E, dtype=dtype, device=device)
+    k, v = (torch.randn(B, H, S, E, dtype=dtype, device=device) for _ in range(2))
+    mask = (torch.rand(B, H, L, S + 20, device=device) > 0.3)[..., :S]
+    mask[:, 1, :, 250:270] = False  # keys across a span's edge that no query of a head sees
+    kw = {"plain": {}, "causal": dict(is_causal=True, bottom_right=True),
+          "window": dict(window_left=300, window_right=40)}[name]
+    kw, is_causal = split(kw)
+    out, lse, _ = torch.ops.fusedmha.attention_forward(q, k, v, mask, 0.0, is_causal, **kw)
+    ref_out, ref_lse, _ = reference_variants(q, k, v, mask, is_causal, **kw)
+    check(out, ref_out, dtype, "output")
+    check(lse, ref_lse, torch.float32, "logsumexp")
+
+
 def test_window_equals_its_dense_mask_and_skips_blocks():
     """A sliding window gives what the equivalent bool mask gives (here and in PyTorch)."""
     B, H, L, E, left = 1, 2, 300, 32, 40
