@@ -38,8 +38,8 @@ constexpr int64_t kBlockKV = 64;
 // Key blocks whose per-head bool mask rows an item reads at once
 // (TileReader::read_mask_bits). Zen 4, B=1 and 4, H=8, E=64 and 128, a
 // (B, H, L, S) bool mask, alternating with reading each block's rows in one
-// process: 1.03-1.05x at L=S=4096, 1.02-1.03x at 1024; spans of 8 or 16
-// blocks the same, of 2 half the gain.
+// process: 1.03-1.05x at L=S=4096, 1.02x at 1024; spans of 8 or 16 blocks
+// the same, of 2 half the gain.
 constexpr int64_t kMaskBitsBlocks = 4;
 // Query blocks of at most kFewRows rows take few_row_scores, and so do
 // blocks of up to decode_rows() whose rows fill more than half a vector of
@@ -172,9 +172,12 @@ struct ForwardWorkspace {
     mt = arena.take(w * round_up(bkv, w));
     terms = split.heads > 1 && !split.decode ? arena.take(bkv * bq) : nullptr;
     dm = p.dropout.on() ? arena.take(bkv * nr) : nullptr;
-    const int64_t bits_floats = kMaskBitsBlocks * bq * sizeof(uint64_t) / sizeof(acc_t);
+    // (In acc_t elements; run()'s rows of a block, round_up(rows, nr), are
+    // at most block_q, a multiple of nr.)
+    const int64_t bits_size =
+        kMaskBitsBlocks * bq * div_up(int64_t{sizeof(uint64_t)}, int64_t{sizeof(acc_t)});
     mask_bits = reads_mask_bits<acc_t>(p, split)
-                    ? reinterpret_cast<uint64_t*>(arena.take(bits_floats))
+                    ? reinterpret_cast<uint64_t*>(arena.take(bits_size))
                     : nullptr;
     heads_state = arena.take(split.heads * split.row_splits * head_floats(p, bq));
   }
@@ -238,9 +241,9 @@ class ForwardKernel {
       // queries see none and are neither computed nor updated.
       const auto [lane0, lane1] = seeing_lanes(q0, rows, bq, k0, cols);
       const int64_t next = k0 + cols, next_cols = std::min(split_.block_kv, kv_end - next);
-      // (The mask's next tile: with spans, the next span's when one starts.)
-      const int64_t mask_cols =
-          span == 0 ? next_cols : (next - kv_begin) % span == 0 ? std::min(span, kv_end - next) : 0;
+      // The mask's next tile; with spans, the next span's where one starts.
+      int64_t mask_cols = next_cols;
+      if (span) mask_cols = (next - kv_begin) % span == 0 ? std::min(span, kv_end - next) : 0;
       queue_prefetches(item, o0, q0, rows, next, next_cols, mask_cols,
                        heads * block_bursts(cols, lane1 - lane0, keys_transposed));
       const uint64_t* block_bits = nullptr;  // (the block's first row's, in ws_.mask_bits)

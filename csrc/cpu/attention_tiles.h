@@ -928,10 +928,10 @@ class TileReader {
   }
   // The hidden keys of outer index o's mask rows q0..q0+rows over keys
   // k0..k0+cols, into bits as MaskBits lays them out (stride apart). Each
-  // row is read once for the span, a few lines in a row, where the tiles
-  // read it once per key block: every row of a (B, H, L, S) mask 4 KiB or
-  // more long is a page of its own, and a query block's 512 rows missed the
-  // L1 TLB at every block (Zen 4: such a mask on 2 MiB pages cost half as
+  // row is read once for the span, four or five lines in a row, where the
+  // tiles read it once per key block: every row of a (B, H, L, S) mask 4 KiB
+  // or more long is a page of its own, and a query block's 512 rows missed
+  // the L1 TLB at every block (Zen 4: such a mask on 2 MiB pages cost half as
   // much).
   void read_mask_bits(int64_t o, int64_t q0, int64_t rows, int64_t k0, int64_t cols,
                       uint64_t* bits, int64_t stride) const {
@@ -1215,7 +1215,8 @@ class TileReader {
   // each, that share the rest) takes row i as query q0 + i % p for the band;
   // then there is no ALiBi and no mask. With bits (a per-head bool mask's
   // hidden keys read ahead: the tile's first row's, in the block's chunk),
-  // the tile's whole strips of w rows take them instead of the mask's rows.
+  // the tile's whole strips of w rows take them instead of the mask's rows:
+  // the caller's bits must be o's rows q0.. over keys k0..k0+cols.
   void transform_scores(int64_t o, int64_t q0, int64_t rows, int64_t bq, int64_t k0,
                         int64_t cols, acc_t* st, acc_t* mt, acc_t* dcap = nullptr,
                         bool shared_terms = false, int64_t period = 0,
