@@ -4,7 +4,8 @@ implementation, timed in alternation (median per call). Prints time, GFLOP/s and
 (>1 = fusedmha faster), then the peak extra memory of a 16k×16k attention.
 
 Variants: plain, causal, a float (L, S) mask ("mask"), a bool mask per head, (B, H, L, S), that
-hides a fifth of the scores at random ("head-mask"), a bool key padding mask of shape
+hides a fifth of the scores at random ("head-mask"), ALiBi-style float biases, one (L, S)
+matrix per head that the batch shares, (1, H, L, S) ("bias"), a bool key padding mask of shape
 (B, 1, 1, S) that pads the last eighth of the keys ("pad"), and the bool (B, 1, L, S) causal
 mask with left padding (up to 3/16 of the keys) that transformers passes for a padded batch
 ("hf-mask", read as the causal band and key spans). For the masks, "of unmasked" is
@@ -50,7 +51,10 @@ def run_speed(lengths, dtypes, B, H, E, min_time):
             # size: skipped over 1 GiB, L=S=4096 at B=4, H=8 being 512 MiB.)
             if B * H * L * L <= 1 << 30:
                 masks["head-mask"] = torch.empty(B, H, L, L, dtype=torch.bool).bernoulli_(0.8)
-            for variant in ["plain", "causal", "mask", "head-mask", "pad", "hf-mask"]:
+            # (H·L·S elements: 512 MiB in float32 at L=S=4096, H=8.)
+            slopes = 2.0 ** (-8.0 * torch.arange(1, H + 1) / H)
+            masks["bias"] = (-slopes[:, None, None] * (i - j).abs()).to(dtype)[None]
+            for variant in ["plain", "causal", "mask", "head-mask", "bias", "pad", "hf-mask"]:
                 if variant == "head-mask" and variant not in masks:
                     continue
                 kw = {"is_causal": True} if variant == "causal" else {}
