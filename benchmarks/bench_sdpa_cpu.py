@@ -51,11 +51,16 @@ def run_speed(lengths, dtypes, B, H, E, min_time):
             # size: skipped over 1 GiB, L=S=4096 at B=4, H=8 being 512 MiB.)
             if B * H * L * L <= 1 << 30:
                 masks["head-mask"] = torch.empty(B, H, L, L, dtype=torch.bool).bernoulli_(0.8)
-            # (H·L·S elements: 512 MiB in float32 at L=S=4096, H=8.)
-            slopes = 2.0 ** (-8.0 * torch.arange(1, H + 1) / H)
-            masks["bias"] = (-slopes[:, None, None] * (i - j).abs()).to(dtype)[None]
+            # (H·L·S elements: 512 MiB in float32 at L=S=4096, H=8; skipped over 1 GiB.)
+            if H * L * L * q.element_size() <= 1 << 30:
+                distance = (i - j).abs().to(dtype)
+                slopes = 2.0 ** (-8.0 * torch.arange(1, H + 1) / H)
+                bias = torch.empty(1, H, L, L, dtype=dtype)
+                for h, slope in enumerate(slopes.tolist()):
+                    torch.mul(distance, -slope, out=bias[0, h])
+                masks["bias"] = bias
             for variant in ["plain", "causal", "mask", "head-mask", "bias", "pad", "hf-mask"]:
-                if variant == "head-mask" and variant not in masks:
+                if variant in ("head-mask", "bias") and variant not in masks:
                     continue
                 kw = {"is_causal": True} if variant == "causal" else {}
                 if variant in masks:

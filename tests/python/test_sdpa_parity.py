@@ -236,26 +236,34 @@ def test_mask_shared_by_heads_equals_per_head_mask(dtype, H, E, kind, variant):
         assert_attention_close(out, q, k, v, attn_mask=mask, enable_gqa=True)
 
 
+# Outer dims (batch..., H) and the batch dims of a mask that the batch shares: one batch dim,
+# with the mask (1, H, L, S) or (H, L, S); two, with the mask shared over the inner, the outer
+# (a rotation of three dims) or both.
+BATCH_SHARED_MASKS = {"B3": ((3,), (1,)), "B3_3d": ((3,), ()), "B2x2_inner": ((2, 2), (2, 1)),
+                      "B2x2_outer": ((2, 2), (1, 2)), "B2x2_both": ((2, 2), (1, 1))}
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind", ["bool", "float"])
-@pytest.mark.parametrize("batch", [(3,), (2, 2)], ids=["B3", "B2x2"])
+@pytest.mark.parametrize("shapes", list(BATCH_SHARED_MASKS))
 @pytest.mark.parametrize("variant", list(SHARED_MASK_VARIANTS))
-def test_mask_shared_by_batch_equals_per_head_mask(dtype, kind, batch, variant):
+def test_mask_shared_by_batch_equals_materialised_mask(dtype, kind, shapes, variant):
     """A mask of one matrix per head that the batch shares ((1, H, L, S): ALiBi- or T5-style
     biases) is read once per tile for several batch indices of a CPU work item (the outer dims
-    taken with the batch dim last, where L·S >= 384²); the same mask materialised per batch
-    index is read per outer index. The same bits with every variant, per-head ALiBi slopes and
-    sinks, GQA, dropout (whose stream is drawn by outer index: that call keeps its order) and
-    two batch dims, one of them shared."""
+    taken with a shared batch dim last, where L·S >= 384²); the same mask materialised for
+    every outer index is read per outer index. The same bits with every variant, per-head ALiBi
+    slopes and sinks, GQA and two batch dims; with dropout (whose stream is drawn by outer
+    index) the call keeps its order."""
+    batch, mask_batch = BATCH_SHARED_MASKS[shapes]
     H, Hkv, L, S, E = 4, 2, 400, 380, 32
+    assert L * S >= 384 * 384  # (else the batch indices are not grouped)
     q = torch.randn(*batch, H, L, E, dtype=dtype)
     k, v = (torch.randn(*batch, Hkv, S, E, dtype=dtype) for _ in range(2))
-    shape = (1,) * len(batch) if len(batch) == 1 else (batch[0], 1)
+    shape = (*mask_batch, H, L, S)
     if kind == "bool":
-        mask = torch.rand(*shape, H, L, S) > 0.3
+        mask = torch.rand(shape) > 0.3
     else:
-        mask = torch.randn(*shape, H, L, S, dtype=dtype).masked_fill(torch.rand(*shape, H, L, S) < 0.2,
-                                                                     float("-inf"))
+        mask = torch.randn(shape, dtype=dtype).masked_fill(torch.rand(shape) < 0.2, float("-inf"))
     kw = dict(SHARED_MASK_VARIANTS[variant])
     dropout_p, is_causal = kw.pop("dropout_p", 0.0), kw.pop("is_causal", False)
     if kw.pop("alibi", False):
@@ -264,10 +272,10 @@ def test_mask_shared_by_batch_equals_per_head_mask(dtype, kind, batch, variant):
         kw["sinks"] = torch.randn(H, dtype=dtype)
     stream = torch.tensor([1234, 5678], dtype=torch.int64)
     full = (*batch, H, L, S)
-    per_index = mask.expand(full).contiguous()
+    materialised = mask.expand(full).contiguous()
     runs = [torch.ops.fusedmha.attention_forward(q, k, v, m, dropout_p, is_causal, None, True, **kw,
                                                  dropout_state=stream)
-            for m in (mask.expand(full), per_index)]
+            for m in (mask.expand(full), materialised)]
     (out, lse, _), (want_out, want_lse, _) = runs
     assert torch.equal(out, want_out)
     assert torch.equal(lse, want_lse)
