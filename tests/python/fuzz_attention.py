@@ -22,7 +22,9 @@ Kinds of case and what each must give (anything else is a failure, with a reprod
   of V reaches the columns it is in. A key a row does not attend to (masked, outside the
   causal band or the window) may still turn the row NaN, as in PyTorch, whose masks are
   additive (-inf + NaN = NaN, 0 * inf = NaN); what is never allowed is a finite value that
-  differs from the truth, or a finite value where the truth is NaN/inf.
+  differs from the truth, or a finite value where the truth is NaN/inf. (A float mask's lowest
+  value, read as hiding, has two truths in a row whose visible keys all score -inf: its hidden
+  keys averaged, as PyTorch's additive mask does, or left out, as a band does.)
 - empty: a dim of size 0 (batch, heads, L, S, E, Ev): PyTorch's F.scaled_dot_product_attention
   on the same inputs gives the shapes (or both raise).
 - huge: cheap but extreme sizes (E = 4096 with L = S = 2, S = 100000 with L = 1, ...), within
@@ -556,10 +558,47 @@ def check_logsumexp(lse, want, dtype, what="logsumexp"):
 def check_nonfinite(pb, out, what="output"):
     """Where the inputs hold NaN/inf: every entry is the exact truth (keys a row does not attend
     to left out), or NaN where PyTorch's additive masking would give NaN too; never a finite
-    value where the truth is not finite, nor a wrong finite value (see the module's docstring)."""
+    value where the truth is not finite, nor a wrong finite value (see the module's docstring).
+    A float mask's lowest value hides its keys to the bit only beside a visible key with a
+    finite score: where an inf in q or k leaves a row none, PyTorch's additive mask averages
+    the keys the lowest value hides, and the kernels do so too unless the host has read the
+    mask as a band and key spans, which leave those keys out. Either is the truth there."""
+    got = out.detach().double()
+    truths = [nonfinite_truth(pb, lowest_hides=True)]
+    if lowest_hides_keys(pb):
+        truths.append(nonfinite_truth(pb, lowest_hides=False))
+    for exact, _ in truths:
+        expect(tuple(got.shape) == tuple(exact.shape),
+               f"{what}: shape {tuple(got.shape)} != {tuple(exact.shape)}")
+    failures = [nonfinite_mismatch(got, exact.expand(got.shape), leak.expand(got.shape),
+                                   fixed_floor(pb, out.dtype)) for exact, leak in truths]
+    # Rows that match no truth (one truth: any row that does not match it).
+    rows_off = failures[0][0]
+    for rows, _ in failures[1:]:
+        rows_off = rows_off & rows
+    expect(not rows_off.any(), f"{what}: {failures[0][1]}" if len(truths) == 1 else
+           f"{what}: rows match neither truth (lowest value as hiding: {failures[0][1]}; "
+           f"as a value: {failures[1][1]})")
+
+
+def lowest_hides_keys(pb):
+    """Whether pb's float mask holds its dtype's lowest value and hides_as_neg_inf reads it as
+    hiding."""
+    mask = pb.mask
+    if mask is None or mask.dtype == torch.bool or not hides_as_neg_inf(pb):
+        return False
+    return mask.dtype != torch.float16 and bool((mask == torch.finfo(mask.dtype).min).any())
+
+
+def nonfinite_truth(pb, lowest_hides=True):
+    """(exact, leak) of check_nonfinite: the exact output (NaN or +-inf where the non-finite
+    inputs reach it), and where NaN is allowed (masked keys with non-finite scores or values).
+    lowest_hides: a float mask's lowest value hides its keys (as -inf does), else it is a value
+    that PyTorch's additive mask adds."""
     q, k, v = pb.q.double(), pb.k.double(), pb.v.double()
     given_mask = pb.mask
-    if pb.mask is not None and pb.mask.dtype != torch.bool and hides_as_neg_inf(pb):
+    if pb.mask is not None and pb.mask.dtype != torch.bool and hides_as_neg_inf(pb) and (
+            lowest_hides or not lowest_hides_keys(pb)):
         # A float mask of 0 and -inf (or lowest) hides keys as a bool mask does (the CPU host
         # may read it as a band and key spans, whose hidden keys are never read): the truth
         # leaves them out, and a NaN or inf they carry may still reach the row (leak, below).
@@ -607,23 +646,33 @@ def check_nonfinite(pb, out, what="output"):
         # with a non-finite score is leak_rows' case).
         m = given_mask.double()
         leak = leak | ((torch.isnan(m) | (m == INF)) & unattended).any(-1, keepdim=True)
-    got = out.detach().double()
-    expect(tuple(got.shape) == tuple(exact.shape), f"{what}: shape {tuple(got.shape)} != {tuple(exact.shape)}")
-    exact, leak = exact.expand(got.shape), leak.expand(got.shape)
+    return exact, leak
+
+
+def nonfinite_mismatch(got, exact, leak, floor):
+    """(rows, why): the rows (all dims but the last) where got is not exact as check_nonfinite
+    requires, and why, for the first kind of mismatch found ("" where none)."""
     finite = torch.isfinite(exact)
     bad = ~finite & (got != exact) & ~(torch.isnan(got) & torch.isnan(exact))
     # +-inf in V reaching a row through the online softmax's rescaling may come out NaN.
     bad &= ~(torch.isinf(exact) & torch.isnan(got))
-    expect(not bad.any(), f"{what}: {int(bad.sum())} entries should be NaN/inf and are not, first "
-                          f"at {bad.nonzero()[:3].tolist()}")
     unexplained = finite & ~torch.isfinite(got) & ~(leak & torch.isnan(got))
-    expect(not unexplained.any(), f"{what}: {int(unexplained.sum())} entries are NaN/inf where the "
-                                  f"truth is finite, first at {unexplained.nonzero()[:3].tolist()}")
     ok = finite & torch.isfinite(got)
+    off = torch.zeros_like(ok)
+    err = 0.0
     if ok.any():
+        bound = 2 * floor * max(1.0, exact[ok].abs().max().item())
+        off = ok & ((got - exact).abs() > bound)
         err = (got[ok] - exact[ok]).abs().max().item()
-        bound = 2 * fixed_floor(pb, out.dtype) * max(1.0, exact[ok].abs().max().item())
-        expect(err <= bound, f"{what}: finite entries off by {err:.3g} > {bound:.3g}")
+    why = ""
+    if bad.any():
+        why = f"{int(bad.sum())} entries should be NaN/inf and are not, first at {bad.nonzero()[:3].tolist()}"
+    elif unexplained.any():
+        why = (f"{int(unexplained.sum())} entries are NaN/inf where the truth is finite, first at "
+               f"{unexplained.nonzero()[:3].tolist()}")
+    elif off.any():
+        why = f"finite entries off by {err:.3g} > {bound:.3g}"
+    return (bad | unexplained | off).any(-1), why
 
 
 def poison(pb, rng, g):
