@@ -198,6 +198,27 @@ SHARED_MASK_VARIANTS = {
 }
 
 
+def same_bits_for_masks(q, k, v, masks, variant):
+    """The forward op over masks (the same values in different layouts) with the arguments of
+    SHARED_MASK_VARIANTS[variant] (per-head ALiBi slopes and sinks drawn here; one dropout
+    stream): outputs and log-sum-exp equal to the bit. Returns the output."""
+    kw = dict(SHARED_MASK_VARIANTS[variant])
+    dropout_p, is_causal = kw.pop("dropout_p", 0.0), kw.pop("is_causal", False)
+    H = q.size(-3)
+    if kw.pop("alibi", False):
+        kw["alibi_slopes"] = torch.rand(H, dtype=torch.float64) * 0.3
+    if kw.pop("sinks", False):
+        kw["sinks"] = torch.randn(H, dtype=q.dtype)
+    stream = torch.tensor([1234, 5678], dtype=torch.int64)
+    (out, lse, _), *others = [
+        torch.ops.fusedmha.attention_forward(q, k, v, m, dropout_p, is_causal, None, True, **kw,
+                                             dropout_state=stream) for m in masks]
+    for other_out, other_lse, _ in others:
+        assert torch.equal(out, other_out)
+        assert torch.equal(lse, other_lse)
+    return out
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("H,E", [(6, 40), (16, 128)])
 @pytest.mark.parametrize("kind", ["bool", "float", "float_per_batch"])
@@ -217,21 +238,9 @@ def test_mask_shared_by_heads_equals_per_head_mask(dtype, H, E, kind, variant):
         mask = torch.randn(L, S, dtype=dtype).masked_fill(torch.rand(L, S) < 0.2, float("-inf"))
     else:
         mask = torch.randn(B, 1, L, S, dtype=dtype)
-    kw = dict(SHARED_MASK_VARIANTS[variant])
-    dropout_p, is_causal = kw.pop("dropout_p", 0.0), kw.pop("is_causal", False)
-    if kw.pop("alibi", False):
-        kw["alibi_slopes"] = torch.rand(H, dtype=torch.float64) * 0.3
-    if kw.pop("sinks", False):
-        kw["sinks"] = torch.randn(H, dtype=dtype)
-    stream = torch.tensor([1234, 5678], dtype=torch.int64)
     per_head = mask.expand(B, H, L, S).contiguous()
     assert per_head.stride(1) != 0 and mask.expand(B, H, L, S).stride(1) == 0
-    runs = [torch.ops.fusedmha.attention_forward(q, k, v, m, dropout_p, is_causal, None, True, **kw,
-                                                 dropout_state=stream)
-            for m in (mask.expand(B, H, L, S), per_head)]
-    (out, lse, _), (want_out, want_lse, _) = runs
-    assert torch.equal(out, want_out)
-    assert torch.equal(lse, want_lse)
+    out = same_bits_for_masks(q, k, v, [mask.expand(B, H, L, S), per_head], variant)
     if variant == "plain":
         assert_attention_close(out, q, k, v, attn_mask=mask, enable_gqa=True)
 
@@ -264,21 +273,8 @@ def test_mask_shared_by_batch_equals_materialised_mask(dtype, kind, shapes, vari
         mask = torch.rand(shape) > 0.3
     else:
         mask = torch.randn(shape, dtype=dtype).masked_fill(torch.rand(shape) < 0.2, float("-inf"))
-    kw = dict(SHARED_MASK_VARIANTS[variant])
-    dropout_p, is_causal = kw.pop("dropout_p", 0.0), kw.pop("is_causal", False)
-    if kw.pop("alibi", False):
-        kw["alibi_slopes"] = torch.rand(H, dtype=torch.float64) * 0.3
-    if kw.pop("sinks", False):
-        kw["sinks"] = torch.randn(H, dtype=dtype)
-    stream = torch.tensor([1234, 5678], dtype=torch.int64)
     full = (*batch, H, L, S)
-    materialised = mask.expand(full).contiguous()
-    runs = [torch.ops.fusedmha.attention_forward(q, k, v, m, dropout_p, is_causal, None, True, **kw,
-                                                 dropout_state=stream)
-            for m in (mask.expand(full), materialised)]
-    (out, lse, _), (want_out, want_lse, _) = runs
-    assert torch.equal(out, want_out)
-    assert torch.equal(lse, want_lse)
+    out = same_bits_for_masks(q, k, v, [mask.expand(full), mask.expand(full).contiguous()], variant)
     if variant == "plain":
         assert_attention_close(out, q, k, v, attn_mask=mask, enable_gqa=True)
 
