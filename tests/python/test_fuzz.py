@@ -7,6 +7,8 @@ under ASan + UBSan; a long local run: `python tests/python/fuzz_attention.py --c
 import io
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 import fuzz_attention
 
@@ -50,3 +52,22 @@ def test_a_wrong_result_is_caught(monkeypatch, one_thread):
     out = io.StringIO()
     fuzz_attention.summary(counts, out=out)
     assert "40 calls" in out.getvalue()
+
+
+@pytest.mark.parametrize("scale,dim,grown", [(None, 64, False), (2.0, 100, True)])
+def test_output_floor_grows_only_with_large_scores(scale, dim, grown):
+    """check_forward's floor grows with the scores' size past FLOOR_SCORE_SIZE (float32
+    rounding of scores of ~50 moves outputs by ~1e-5), and not below it: PyTorch's own output
+    passes, an error of 1e-4 fails at the default scale and one of 1e-3 at either."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, dim, generator=g) for n in (23, 40, 40))
+    pb = fuzz_attention.Problem(q, k, v, scale=scale)
+    assert (fuzz_attention.score_size(pb) > fuzz_attention.FLOOR_SCORE_SIZE) == grown
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), scale=scale)
+    out = F.scaled_dot_product_attention(q, k, v, scale=scale)
+    fuzz_attention.check_forward(pb, out, ref)
+    for error in (1e-3,) if grown else (1e-4, 1e-3):
+        wrong = out.clone()
+        wrong[0, 1, 3, 5] += error
+        with pytest.raises(AssertionError, match="max error"):
+            fuzz_attention.check_forward(pb, wrong, ref)
