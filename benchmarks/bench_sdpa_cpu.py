@@ -4,7 +4,8 @@ implementation, timed in alternation (median per call). Prints time, GFLOP/s and
 (>1 = fusedmha faster), then the peak extra memory of a 16k×16k attention.
 
 Variants: plain, causal, a float (L, S) mask ("mask"), a bool mask per head, (B, H, L, S), that
-hides a fifth of the scores at random ("head-mask"), ALiBi-style float biases, one (L, S)
+hides a fifth of the scores at random ("head-mask"), a float mask per head of random terms
+(B, H, L, S) ("head-float"), ALiBi-style float biases, one (L, S)
 matrix per head that the batch shares, (1, H, L, S) ("bias"), a bool key padding mask of shape
 (B, 1, 1, S) that pads the last eighth of the keys ("pad"), and the bool (B, 1, L, S) causal
 mask with left padding (up to 3/16 of the keys) that transformers passes for a padded batch
@@ -33,7 +34,7 @@ def run_speed(lengths, dtypes, B, H, E, min_time):
     print(f"threads={torch.get_num_threads()} isa={fusedmha.build_info()['cpu_isa_in_use']} "
           f"torch={torch.__version__} B={B} H={H} E={E}; %peak: of the fp32 FMA peak, measured "
           f"next to each row (now {fma_peak_gflops(0.25):.0f} GFLOP/s)")
-    header = (f"{'dtype':9s} {'L=S':>6s} {'variant':8s} {'fusedmha ms':>12s} {'GFLOP/s':>8s} {'%peak':>6s} "
+    header = (f"{'dtype':9s} {'L=S':>6s} {'variant':10s} {'fusedmha ms':>12s} {'GFLOP/s':>8s} {'%peak':>6s} "
               f"{'torch ms':>9s} {'GFLOP/s':>8s} {'%peak':>6s} {'vs torch':>9s} {'unfused ms':>11s} "
               f"{'vs unfused':>11s} {'of unmasked':>12s}")
     print(header)
@@ -51,6 +52,9 @@ def run_speed(lengths, dtypes, B, H, E, min_time):
             # size: skipped over 1 GiB, L=S=4096 at B=4, H=8 being 512 MiB.)
             if B * H * L * L <= 1 << 30:
                 masks["head-mask"] = torch.empty(B, H, L, L, dtype=torch.bool).bernoulli_(0.8)
+            # (2 GiB in float32 at L=S=4096, B=4, H=8; skipped over that.)
+            if B * H * L * L * q.element_size() <= 2 << 30:
+                masks["head-float"] = torch.randn(B, H, L, L, dtype=dtype)
             # (H·L·S elements: 512 MiB in float32 at L=S=4096, H=8; skipped over 1 GiB.)
             if H * L * L * q.element_size() <= 1 << 30:
                 distance = (i - j).abs().to(dtype)
@@ -59,8 +63,9 @@ def run_speed(lengths, dtypes, B, H, E, min_time):
                 for h, slope in enumerate(slopes.tolist()):
                     torch.mul(distance, -slope, out=bias[0, h])
                 masks["bias"] = bias
-            for variant in ["plain", "causal", "mask", "head-mask", "bias", "pad", "hf-mask"]:
-                if variant in ("head-mask", "bias") and variant not in masks:
+            for variant in ["plain", "causal", "mask", "head-mask", "head-float", "bias", "pad",
+                            "hf-mask"]:
+                if variant in ("head-mask", "head-float", "bias") and variant not in masks:
                     continue
                 kw = {"is_causal": True} if variant == "causal" else {}
                 if variant in masks:
@@ -91,7 +96,7 @@ def run_speed(lengths, dtypes, B, H, E, min_time):
                             else f"{'-':>12s}")
                 flops = attention_flops(B, H, L, L, E, causal)
                 g_f, g_t = flops / t_f / 1e9, flops / t_t / 1e9
-                print(f"{str(dtype).replace('torch.', ''):9s} {L:6d} {variant:9s} {t_f * 1e3:11.2f} "
+                print(f"{str(dtype).replace('torch.', ''):9s} {L:6d} {variant:10s} {t_f * 1e3:11.2f} "
                       f"{g_f:8.1f} {100 * g_f / peak:5.0f}% {t_t * 1e3:9.2f} {g_t:8.1f} "
                       f"{100 * g_t / peak:5.0f}% {t_t / t_f:8.2f}x {unfused} {of_unmasked}", flush=True)
 
