@@ -24,24 +24,26 @@ namespace fusedmha::cpu {
 namespace CPU_CAPABILITY {
 namespace {
 
-// Query rows per block. A block of at least kTransposedKeysRows computes
-// its scores from each key block transposed (transpose_keys), which the
-// score GEMM reads faster; the transpose pays for itself only when that
-// many query rows (8 panels of AVX-512 floats) use it. Items whose heads
-// share a mask take blocks of kMaskBlockQ, so that more heads fit, and so
-// do items that read a mask's rows of their own (a per-head mask): each key
-// block's tile of it, a line or more from each of the block's rows (at
-// S >= 1024 each row a page of its own), is prefetched into L2 beside the
-// block's state, and read by the softmax. (Zen 4, per-head masks,
-// alternating with blocks of 512 in one process: float32 E=64 1.01-1.04x
-// (B=4, H=8, L=S=1024 and 4096; B=1 and 2, L=S=4096 and 2048; GQA over 2
-// K/V heads; bfloat16 1.01x), a bool mask at L=S=4096 1.04x, E=128 and
-// AVX2 0.99-1.01x; blocks of 64 or 192 no better than 128, and 192 0.97x
-// at E=128.) Blocks of kLongBlockQ where they fit in L2 (long_block_fits).
+// Query rows per block. A block of at least kTransposedKeysRows computes its
+// scores from each key block transposed (transpose_keys), which the score GEMM
+// reads faster; the transpose pays for itself only when that many query rows (8
+// panels of AVX-512 floats) use it. Items whose heads share a mask take blocks
+// of kMaskBlockQ, so that more heads fit, and so do items that read a mask's
+// rows of their own (a per-head mask) at head dims up to kMaskBlockMaxDim,
+// where the mask weighs most against the scores' work: each key block's tile of
+// it, a line or more from each of the block's rows (at S >= 1024 each row a
+// page of its own), prefetched into L2 beside the block's state, then spans 128
+// rows, not 512. (Zen 4, per-head masks, alternating with blocks of 512 in one
+// process, E=64: float32 1.007-1.036x at B=4, H=8, L=S=1024 and 4096,
+// 1.01-1.02x at B=1 and 2, L=S=4096 and 2048, GQA over 2 K/V heads 1.02x,
+// bfloat16 1.01x, AVX2 1.01x; a bool mask at L=S=4096 1.03-1.04x. E=128:
+// 0.975-1.008x, so not there. Blocks of 64 or 192 gained no more than 128.)
+// Blocks of kLongBlockQ where they fit in L2 (long_block_fits).
 constexpr int64_t kMaxBlockQ = 256;
 constexpr int64_t kLongBlockQ = 512;
 constexpr int64_t kTransposedKeysRows = 256;
 constexpr int64_t kMaskBlockQ = 128;
+constexpr int64_t kMaskBlockMaxDim = 64;
 constexpr int64_t kBlockKV = 64;
 // Key blocks whose per-head bool mask rows an item reads at once
 // (TileReader::read_mask_bits). Zen 4, B=1 and 4, H=8, E=64 and 128, a
@@ -858,7 +860,8 @@ WorkSplit configure(const AttentionParams& p, int64_t threads) {
   constexpr int64_t nr = panel_width<acc_t>();
   WorkSplit split;
   split.heads = heads_sharing_mask<acc_t>(p);
-  const bool mask_rows = p.mask_kind != MaskKind::None && p.mask.row_stride != 0;
+  const bool mask_rows =
+      p.mask_kind != MaskKind::None && p.mask.row_stride != 0 && p.dim_qk <= kMaskBlockMaxDim;
   split.block_q = band_block(
       p, std::min(work_block(p.len_q, p.num_outer / split.heads, threads, nr,
                              split.heads > 1 || mask_rows ? kMaskBlockQ
