@@ -151,13 +151,15 @@ def test_opcheck_with_variants():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("name", ["plain", "causal", "window"])
-def test_mask_per_head_over_spans_of_key_blocks(device, name, dtype):
+@pytest.mark.parametrize("E", [32, 128])
+def test_mask_per_head_over_spans_of_key_blocks(device, name, dtype, E):
     """A bool mask per head whose rows the CPU kernel reads several key blocks at a time
-    (read_mask_bits, on AVX-512): query blocks of 512 rows and a tail of 76 (with up to 4
-    threads; its last panel a strip of 12), keys in spans of 4 blocks of 64 and a last one of
-    188 (a block of 60), rows a stride apart (a slice of a wider mask), and bands whose first
-    key is not a span's (a window starts inside one, with blocks of 32 queries)."""
-    B, H, L, S, E = 1, 8, 1100, 700, 32
+    (read_mask_bits, on AVX-512): query blocks of 128 rows (head dims up to 64) or 512 (E=128,
+    where such a block fits the CPU's L2) and a tail of 76 (with up to 4 threads; its last
+    panel a strip of 12), keys in spans of 4 blocks of 64 and a last one of 188 (a block of
+    60), rows a stride apart (a slice of a wider mask), and bands whose first key is not a
+    span's (a window starts inside one, with blocks of 32 queries)."""
+    B, H, L, S = 1, 8, 1100, 700
     q = torch.randn(B, H, L, E, dtype=dtype, device=device)
     k, v = (torch.randn(B, H, S, E, dtype=dtype, device=device) for _ in range(2))
     mask = (torch.rand(B, H, L, S + 20, device=device) > 0.3)[..., :S]
