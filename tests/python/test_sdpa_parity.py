@@ -7,7 +7,8 @@ import torch.nn.functional as F
 
 import fusedmha
 from devices import on_devices
-from reference import assert_attention_close, assert_close_to_truth, reference_attention, reference_logsumexp
+from reference import (assert_attention_close, assert_close_to_truth, reference_attention, reference_logsumexp,
+                       reference_variants)
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 sdpa = fusedmha.scaled_dot_product_attention
@@ -277,6 +278,31 @@ def test_mask_shared_by_batch_equals_materialised_mask(dtype, kind, shapes, vari
     out = same_bits_for_masks(q, k, v, [mask.expand(full), mask.expand(full).contiguous()], variant)
     if variant == "plain":
         assert_attention_close(out, q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_packed_heads_with_softcap_and_a_mask_the_batch_shares(dtype, kind):
+    """One query per head with softcap, which decoding's path does not take: the query heads
+    of each K/V head are packed as rows of one item (G = 4 rows), and a (1, H, 1, S) mask that
+    the batch shares over so many keys that G·S >= 384² makes the items take the batch dim last.
+    The same bits as that mask materialised per batch index, and the float64 truth."""
+    B, H, Hkv, S, E = 3, 8, 2, 37000, 16
+    assert (H // Hkv) * S >= 384 * 384  # (else the batch indices are not grouped)
+    q = torch.randn(B, H, 1, E, dtype=dtype)
+    k, v = (torch.randn(B, Hkv, S, E, dtype=dtype) for _ in range(2))
+    if kind == "bool":
+        mask = torch.rand(1, H, 1, S) > 0.3
+    else:
+        mask = torch.randn(1, H, 1, S, dtype=dtype).masked_fill(torch.rand(1, H, 1, S) < 0.2,
+                                                                 float("-inf"))
+    full = (B, H, 1, S)
+    outs = [torch.ops.fusedmha.attention_forward(q, k, v, m, 0.0, False, None, True, softcap=2.5)
+            for m in (mask.expand(full), mask.expand(full).contiguous())]
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    ref, ref_lse, _ = reference_variants(q, k, v, mask, enable_gqa=True, softcap=2.5)
+    assert_close_to_truth(outs[0][0], ref, dtype=dtype)
+    assert_close_to_truth(outs[0][1], ref_lse, dtype=dtype, what="log-sum-exp")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
