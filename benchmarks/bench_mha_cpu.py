@@ -23,7 +23,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fusedmha  # noqa: E402
-from common import (fma_peak_gflops, peak_extra_memory, peak_memory_in_fresh_process,  # noqa: E402
+from common import (fma_peak_gflops, peak_after, peak_extra_memory, peak_memory_in_fresh_process,  # noqa: E402
                     time_interleaved)
 
 MODES = ["infer+weights", "infer", "train"]
@@ -86,6 +86,7 @@ def run_speed(lengths, batch, embed, heads, modes, precisions, min_time):
                 fns = [step_fn(m, mode, x, padding, grad, autocast) for m in modules.values()]
                 peak = fma_peak_gflops()  # next to the timing: the clock drifts
                 t_f, t_t = time_interleaved(fns, min_time)
+                peak = peak_after(peak)
                 flops = (8 * batch * L * embed * embed + 4 * batch * L * L * embed) * (3 if mode == "train" else 1)
                 g_f = flops / t_f / 1e9
                 print(f"{precision:15s} {L:5d} {mode:>14s} {t_f * 1e3:12.2f} {g_f:8.1f} {100 * g_f / peak:5.0f}% "

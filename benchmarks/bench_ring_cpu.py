@@ -21,7 +21,7 @@ from datetime import timedelta
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import attention_flops, fma_peak_gflops  # noqa: E402
+from common import attention_flops, fma_peak_gflops, peak_after  # noqa: E402
 
 
 def free_port():
@@ -102,6 +102,7 @@ def main():
         for rnd in range(a.rounds + 1):  # round 0 warms up
             peak = fma_peak_gflops()
             t1 = fwd_bwd(single, q, k, v, grad)
+            peak = peak_after(peak)
             for c in commands:
                 c.put("run")
             tw = results.get(timeout=1200)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fusedmha  # noqa: E402
-from common import (attention_flops, fma_peak_gflops, peak_extra_memory,  # noqa: E402
+from common import (attention_flops, fma_peak_gflops, peak_after, peak_extra_memory,  # noqa: E402
                     paired_ratio, peak_memory_in_fresh_process, time_interleaved, unfused_attention)
 
 
@@ -88,6 +88,7 @@ def run_speed(lengths, dtypes, B, H, E, min_time):
                 times = time_interleaved(fns, min_time, min_rounds=5 if variant in masks else 3,
                                          samples=samples)
                 t_f, t_t = times[0], times[1]
+                peak = peak_after(peak)
                 if with_unfused:
                     unfused = f"{times[2] * 1e3:11.2f} {times[2] / t_f:10.2f}x"
                 else:

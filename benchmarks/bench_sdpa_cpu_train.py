@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fusedmha  # noqa: E402
-from common import (attention_flops, fma_peak_gflops, peak_extra_memory,  # noqa: E402
+from common import (attention_flops, fma_peak_gflops, peak_after, peak_extra_memory,  # noqa: E402
                     peak_memory_in_fresh_process, time_interleaved)
 
 IMPLEMENTATIONS = {"fusedmha": fusedmha.scaled_dot_product_attention, "torch SDPA": F.scaled_dot_product_attention}
@@ -50,6 +50,7 @@ def run_speed(lengths, dtypes, shapes, E, min_time):
                     fns = [train_step(f, q, k, v, grad_out, **kw) for f in IMPLEMENTATIONS.values()]
                     peak = fma_peak_gflops()  # next to the timing: the clock drifts
                     t_f, t_t = time_interleaved(fns, min_time)
+                    peak = peak_after(peak)
                     flops = 3.5 * attention_flops(B, H, L, L, E, causal)
                     g_f, g_t = flops / t_f / 1e9, flops / t_t / 1e9
                     print(f"{str(dtype).replace('torch.', ''):9s} {B:2d} {H:2d} {L:6d} {variant:>11s} "

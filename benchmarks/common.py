@@ -28,10 +28,17 @@ def fma_peak_gflops(seconds=0.1, readings=3):
     fusedmha's kernels run at, on every intra-op thread. Measure it next to each timing: the
     clock of a shared machine drifts. The most of a few readings: one taken while a thread
     was descheduled reads low (half, with 2 threads), and a row's % of it then reads high
-    (184% once, for a row at 92%)."""
+    (184% once, for a row at 92%). Three readings in a row can all read low (126% once, for a
+    row at 65%): take it before and after a row's timings and keep the higher (peak_after)."""
     import fusedmha
 
     return max(fusedmha.cpu_fma_peak_gflops(seconds) for _ in range(readings))
+
+
+def peak_after(peak_before):
+    """The FMA peak for a row whose timings ran since peak_before was read: the higher of that
+    reading and one taken now (fma_peak_gflops says why)."""
+    return max(peak_before, fma_peak_gflops())
 
 
 class MemoryRead:
