@@ -85,6 +85,43 @@ def test_generate_benchmark_smoke_run():
     assert "decode tok/s" in res.stdout and "same tokens: True" in res.stdout, res.stdout
 
 
+def test_mask_read_bound_builds_and_runs(tmp_path):
+    """benchmarks/mask_read_bound.cpp (plain C++, no fusedmha): builds for this CPU and prints a
+    fraction of the FMAs' speed for each variant and column, the FMAs' own being 1."""
+    import platform
+    import shutil
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None or platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("needs a C++ compiler on x86-64 (AVX2 intrinsics)")
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read().split()
+    except OSError:
+        flags = []
+    if "avx2" not in flags or "fma" not in flags:
+        pytest.skip("this CPU lacks AVX2 or FMA")
+    exe = str(tmp_path / "mask_bound")
+    build = subprocess.run([compiler, "-O2", "-march=native", "-pthread",
+                            os.path.join(ROOT, "benchmarks", "mask_read_bound.cpp"), "-o", exe],
+                           capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr
+    res = subprocess.run([exe, "1"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = {}
+    for line in res.stdout.splitlines():
+        parts = line.split()
+        if len(parts) >= 5:
+            try:
+                rows[" ".join(parts[:-4])] = [float(x) for x in parts[-4:]]
+            except ValueError:
+                pass
+    assert list(rows) == ["FMAs alone", "prefetch", "+ read", "+ read in GEMM", "+ read from L1",
+                          "GFLOP/s, FMAs"], res.stdout
+    assert rows["FMAs alone"] == [1.0] * 4, res.stdout
+    assert all(0 < x < 2 for name, xs in rows.items() if name != "GFLOP/s, FMAs" for x in xs), res.stdout
+    assert all(x > 1 for x in rows["GFLOP/s, FMAs"]), res.stdout
+
+
 def test_decode_memory_bound_builds_and_runs(tmp_path):
     """benchmarks/decode_memory_bound.cpp (plain C++, no fusedmha): builds and prints its three tables."""
     import platform
