@@ -85,9 +85,8 @@ def test_generate_benchmark_smoke_run():
     assert "decode tok/s" in res.stdout and "same tokens: True" in res.stdout, res.stdout
 
 
-def test_mask_read_bound_builds_and_runs(tmp_path):
-    """benchmarks/mask_read_bound.cpp (plain C++, no fusedmha): builds for this CPU and prints a
-    fraction of the FMAs' speed for each variant and column, the FMAs' own being 1."""
+def avx2_compiler_or_skip():
+    """A C++ compiler for the plain C++ models in benchmarks/ (AVX2 and FMA intrinsics), or a skip."""
     import platform
     import shutil
     compiler = shutil.which("c++") or shutil.which("g++")
@@ -100,6 +99,13 @@ def test_mask_read_bound_builds_and_runs(tmp_path):
         flags = []
     if "avx2" not in flags or "fma" not in flags:
         pytest.skip("this CPU lacks AVX2 or FMA")
+    return compiler
+
+
+def test_mask_read_bound_builds_and_runs(tmp_path):
+    """benchmarks/mask_read_bound.cpp (plain C++, no fusedmha): builds for this CPU and prints a
+    fraction of the FMAs' speed for each variant and column, the FMAs' own being 1."""
+    compiler = avx2_compiler_or_skip()
     exe = str(tmp_path / "mask_bound")
     build = subprocess.run([compiler, "-O2", "-march=native", "-pthread",
                             os.path.join(ROOT, "benchmarks", "mask_read_bound.cpp"), "-o", exe],
@@ -124,18 +130,7 @@ def test_mask_read_bound_builds_and_runs(tmp_path):
 
 def test_decode_memory_bound_builds_and_runs(tmp_path):
     """benchmarks/decode_memory_bound.cpp (plain C++, no fusedmha): builds and prints its three tables."""
-    import platform
-    import shutil
-    compiler = shutil.which("c++") or shutil.which("g++")
-    if compiler is None or platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("needs a C++ compiler on x86-64 (AVX2 intrinsics)")
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read().split()
-    except OSError:
-        flags = []
-    if "avx2" not in flags or "fma" not in flags:
-        pytest.skip("this CPU lacks AVX2 or FMA")
+    compiler = avx2_compiler_or_skip()
     exe = str(tmp_path / "decode_bound")
     build = subprocess.run([compiler, "-O2", "-mavx2", "-mfma", "-pthread",
                             os.path.join(ROOT, "benchmarks", "decode_memory_bound.cpp"), "-o", exe],
