@@ -7,10 +7,11 @@
 // its own, and every element is read once. The forward kernel walks it as
 // this model does: query blocks of 128 rows, key blocks of 64; per block,
 // panels of 2 vectors of queries, each panel's score GEMM (64 keys × E dims)
-// and P·V GEMM (E dims × 64 keys) as register-blocked micro-kernels whose
-// operands stay in L1, while the next block's mask tile (128 rows × 64
-// floats) is prefetched into L2 (prefetcht1), a burst per micro-kernel
-// call. Each row of the table is a variant, as a fraction of the speed of
+// and P·V GEMM (E dims × 64 keys) as register-blocked micro-kernels over
+// operands of the kernel's sizes (about 27 KiB at E = 64 with AVX-512, so in
+// L1; 46 KiB at E = 128, part of them in L2, as the kernel's are), while the
+// next block's mask tile (128 rows × 64 floats) is prefetched into L2
+// (prefetcht1), a burst per micro-kernel call. Each row of the table is a variant, as a fraction of the speed of
 // the FMAs alone (medians of rounds that alternate them):
 //  - "prefetch": the next tile prefetched, never read;
 //  - "+ read": and each panel's rows of the tile read after its scores and
@@ -20,28 +21,31 @@
 //    also transposes 16 × 16 blocks);
 //  - "+ read in GEMM": the mask rows loaded as the score GEMM's initial
 //    accumulators instead (no pass of their own);
-//  - "+ read from L1": the adds of "+ read" from a buffer that stays in L1
+//  - "+ read from L1": the adds of "+ read" from lines the GEMMs keep in L1
 //    (the real tile still prefetched): what the lines' way from L2 costs.
-// Columns: E = 64 and 128, the mask on 4 KiB pages, and on 2 MiB pages
-// where transparent huge pages can be had (madvise).
+// Columns: E = 64 and 128, the mask on 4 KiB pages (MADV_NOHUGEPAGE), and on
+// 2 MiB pages where transparent huge pages can be had (MADV_HUGEPAGE); the
+// program prints how much of the masks Linux put on huge pages.
 //
 // What it says on a Zen 4 EPYC (2 threads, AVX-512, 32 KiB L1d and 1 MiB L2
-// per core; the FMAs alone at 205-224 GFLOP/s, over 90% of the FMA peak),
+// per core; the FMAs alone at 200-222 GFLOP/s, 88-98% of the FMA peak),
 // three runs of 25 rounds, 4 KiB pages / 2 MiB pages:
 //
 //   variant           E = 64                  E = 128
-//   prefetch          0.93-0.94 / 0.95-0.96   0.95-0.96 / 0.96-0.98
-//   + read            0.87-0.89 / 0.89-0.91   0.91-0.93 / 0.92-0.96
-//   + read in GEMM    0.89-0.92 / 0.91-0.94   0.92-0.94 / 0.93-0.97
-//   + read from L1    0.90-0.91 / 0.92-0.94   0.93-0.94 / 0.94-0.99
+//   prefetch          0.93-0.95 / 0.95-0.96   0.96-0.97 / 0.97-0.99
+//   + read            0.89-0.91 / 0.89-0.92   0.93-0.95 / 0.94-0.96
+//   + read in GEMM    0.89-0.92 / 0.93-0.94   0.95-0.96 / 0.95-0.97
+//   + read from L1    0.91-0.94 / 0.93-0.94   0.93-0.96 / 0.96-0.98
 //
 // So at E = 64 the least a per-head float mask asks of this machine (its
-// lines into L2, then one load and add per vector of scores) takes 8-13% of
-// the GEMMs' time, with no transposes, softmax or rescaling: a kernel whose
-// unmasked call spends ~80% of its time in its GEMMs would run such a mask
-// at about 0.90-0.92 of its unmasked speed, at the 10% the project allows.
+// lines into L2, then one load and add per vector of scores) adds 10-13% to
+// the GEMMs' time, with no transposes, softmax or rescaling. fusedmha's
+// unmasked call (B=4, H=8, L=S=1024) ran at 157-165 GFLOP/s where these
+// GEMMs ran at 200-217, so 74-82% of its time is GEMM work at this rate; a
+// kernel that did nothing more for the mask would run it at about 0.90-0.94
+// of its unmasked speed, just past the 10% the project allows.
 // A model, not a hard bound: a kernel's other work may overlap the mask's
-// loads better than these GEMMs (operands in L1, no slack) do.
+// loads better than these GEMMs (dense FMAs, no slack) do.
 //
 //   g++ -O2 -march=native -pthread benchmarks/mask_read_bound.cpp -o /tmp/mask_bound
 //   /tmp/mask_bound [rounds]      (default 15)
@@ -164,7 +168,10 @@ void gemm(long rows, long steps, const float* a, const float* b, float* c, long 
 // One thread's heads: every query block, key block and panel.
 float run_heads(const float* mask, long dim, Mode mode) {
   alignas(64) static thread_local float a[128 * kMicroRows], b[128 * kPanel],
-      st[kPanel * kBlockKV], o[128 * kPanel], l1_rows[kPanel * kBlockKV];
+      st[kPanel * kBlockKV], o[128 * kPanel];
+  static_assert(kPanel * kBlockKV <= 64 * kPanel, "ReadFromL1 reads b's first 64 rows");
+  for (long i = 0; i < 128 * kMicroRows; ++i) a[i] = 1e-3f * float(i % 7);
+  for (long i = 0; i < 128 * kPanel; ++i) b[i] = 1e-3f * float(i % 5);
   const bool prefetch = mode != Mode::Fmas;
   const long panel_calls = kBlockKV / kPanel * calls(kPanel) + calls(dim);
   for (long h = 0; h < kHeadsPerThread; ++h) {
@@ -174,8 +181,15 @@ float run_heads(const float* mask, long dim, Mode mode) {
         const float* tile = head + q0 * kKeys + k0;
         Walk walk;
         if (prefetch) {
-          const long next_q0 = k0 + kBlockKV < kKeys ? q0 : std::min(q0 + kBlockQ, kKeys - kBlockQ);
-          walk.next = head + next_q0 * kKeys + (k0 + kBlockKV) % kKeys;
+          // The next tile: to the right, else the next query block's first,
+          // else the next head's (the last head's last tile: itself again).
+          if (k0 + kBlockKV < kKeys) {
+            walk.next = tile + kBlockKV;
+          } else if (q0 + kBlockQ < kKeys) {
+            walk.next = head + (q0 + kBlockQ) * kKeys;
+          } else {
+            walk.next = h + 1 < kHeadsPerThread ? head + kKeys * kKeys : tile;
+          }
           walk.lines = kBlockQ * kRowLines;
           const long total_calls = kBlockQ / kPanel * panel_calls;
           walk.burst = (walk.lines + total_calls - 1) / total_calls;
@@ -190,7 +204,8 @@ float run_heads(const float* mask, long dim, Mode mode) {
             gemm(kPanel, dim, a, b, st + j, kBlockKV, in_gemm ? rows + j : nullptr, kKeys, w);
           }
           if (mode == Mode::Read || mode == Mode::ReadFromL1) {
-            const float* m = mode == Mode::Read ? rows : l1_rows;
+            // (From L1: b's first rows, which both GEMMs read at every step.)
+            const float* m = mode == Mode::Read ? rows : b;
             const long ld = mode == Mode::Read ? kKeys : kBlockKV;
             for (long i = 0; i < kPanel; ++i) {
               for (long j = 0; j < kBlockKV; j += kLanes) {
@@ -219,16 +234,37 @@ double seconds(const std::vector<float*>& masks, long dim, Mode mode) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+constexpr size_t kMaskBytes = sizeof(float) * kHeadsPerThread * kKeys * kKeys;
+
+// One mask per thread, on 4 KiB pages or (asked for) 2 MiB ones.
 std::vector<float*> make_masks(bool huge) {
   std::vector<float*> masks;
-  const size_t bytes = sizeof(float) * kHeadsPerThread * kKeys * kKeys;
   for (int t = 0; t < kThreads; ++t) {
-    float* m = static_cast<float*>(std::aligned_alloc(2 << 20, bytes));
-    if (huge) madvise(m, bytes, MADV_HUGEPAGE);
-    std::memset(m, 0, bytes);
+    float* m = static_cast<float*>(std::aligned_alloc(2 << 20, kMaskBytes));
+    if (m == nullptr) {
+      std::fprintf(stderr, "out of memory for the masks\n");
+      std::exit(1);
+    }
+    if (madvise(m, kMaskBytes, huge ? MADV_HUGEPAGE : MADV_NOHUGEPAGE) != 0) {
+      std::fprintf(stderr, "(madvise refused %s)\n", huge ? "MADV_HUGEPAGE" : "MADV_NOHUGEPAGE");
+    }
+    std::memset(m, 0, kMaskBytes);
     masks.push_back(m);
   }
   return masks;
+}
+
+// This process's anonymous memory on huge pages, in MiB (-1 where unknown).
+long anon_huge_mib() {
+  FILE* f = std::fopen("/proc/self/smaps_rollup", "r");
+  if (f == nullptr) return -1;
+  char line[256];
+  long kib = -1;
+  while (std::fgets(line, sizeof line, f)) {
+    if (std::sscanf(line, "AnonHugePages: %ld kB", &kib) == 1) break;
+  }
+  std::fclose(f);
+  return kib < 0 ? -1 : kib / 1024;
 }
 
 }  // namespace
@@ -249,8 +285,10 @@ int main(int argc, char** argv) {
   std::printf("%16s %12s %12s %12s %12s\n", "", "E=64 4K", "E=128 4K", "E=64 2M", "E=128 2M");
   double table[5][4];
   double gflops[4];
+  long huge_mib[2];
   for (int page = 0; page < 2; ++page) {
     std::vector<float*> masks = make_masks(page == 1);
+    huge_mib[page] = anon_huge_mib();
     for (int d = 0; d < 2; ++d) {
       const int col = page * 2 + d;
       std::vector<std::vector<double>> ratio(5);
@@ -270,7 +308,8 @@ int main(int argc, char** argv) {
       }
       std::sort(fma_only.begin(), fma_only.end());
       const double blocks = double(kThreads) * kHeadsPerThread * (kKeys / kBlockQ) * (kKeys / kBlockKV);
-      gflops[col] = 4.0 * kBlockKV * kBlockQ * dims[d] * blocks / fma_only[0] / 1e9;  // scores + P·V
+      // (scores + P·V; the median round, as the ratios)
+      gflops[col] = 4.0 * kBlockKV * kBlockQ * dims[d] * blocks / fma_only[rounds / 2] / 1e9;
     }
     for (float* m : masks) std::free(m);
   }
@@ -281,5 +320,6 @@ int main(int argc, char** argv) {
   }
   std::printf("%16s", "GFLOP/s, FMAs");
   for (int c = 0; c < 4; ++c) std::printf(" %12.1f", gflops[c]);
-  std::printf("\n");
+  std::printf("\n(the masks on huge pages: %ld MiB in the 4K columns, %ld MiB in the 2M ones, of %zu MiB)\n",
+              huge_mib[0], huge_mib[1], kThreads * kMaskBytes >> 20);
 }
