@@ -3,7 +3,9 @@ description of the sources). Build against the torch you have installed:
 
     pip install --no-build-isolation .
 
-Environment: FUSEDMHA_CUDA=auto|0|1 (CUDA kernels), MAX_JOBS (parallel compile jobs).
+Environment: FUSEDMHA_CUDA=auto|0|1 (CUDA kernels), MAX_JOBS (parallel compile jobs),
+FUSEDMHA_BUILD_DIR (the CMake build tree; default build/release, which tests/run.sh builds
+its tests in too, so the library's objects are compiled once for both).
 """
 
 import os
@@ -38,7 +40,9 @@ class CMakeBuild(build_ext):
             sys.exit(f"fusedmha needs torch >= {'.'.join(map(str, MIN_TORCH))}, found {torch.__version__}")
 
         out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
-        build_dir = Path(self.build_temp).resolve() / "cmake"
+        # One build tree for the package and the test suite (tests/run.sh configures the
+        # same tree with the tests on): the second build compiles only what the first lacked.
+        build_dir = Path(os.environ.get("FUSEDMHA_BUILD_DIR", ROOT / "build" / "release")).resolve()
         configure = [
             "cmake", "-S", str(ROOT), "-B", str(build_dir),
             f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",

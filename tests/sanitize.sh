@@ -11,6 +11,14 @@
 # imports fusedmha from that build. Any finding aborts the run (the build
 # stops at the first UBSan report; ASan stops at its first).
 #
+# What is covered: the CPU kernels at the ISA levels this machine runs (the
+# baseline up to the widest that torch.backends.cpu.get_cpu_capability()
+# reports), every host path, the ops, the modules and the C++ API. Not
+# covered: wider levels than the machine runs (they cannot execute here, and
+# compiling them instrumented costs most of the build: set
+# FUSEDMHA_SANITIZE_ALL_ISAS=1 to compile them anyway), and the CUDA code
+# (host wrappers and kernels), which needs a GPU to run.
+#
 #   bash tests/sanitize.sh
 #   FUSEDMHA_SANITIZE_PYTEST=1 bash tests/sanitize.sh [pytest args]   # + pytest
 #   FUSEDMHA_FUZZ_CALLS=20000 FUSEDMHA_FUZZ_SEED=1 bash tests/sanitize.sh   # a longer fuzz run
@@ -23,13 +31,22 @@ build="${FUSEDMHA_SANITIZE_BUILD_DIR:-$root/build/sanitize}"
 python=${PYTHON:-python3}
 prefix=$("$python" -c "import torch.utils; print(torch.utils.cmake_prefix_path)")
 package="$build/package"
+source tests/stages.sh
+# The widest ISA level to compile: the one this machine runs at.
+isa_max=AVX512
+if [ "${FUSEDMHA_SANITIZE_ALL_ISAS:-0}" != 1 ]; then
+  isa_max=$("$python" -c "import torch; c = torch.backends.cpu.get_cpu_capability(); \
+print('AVX512' if 'AVX512' in c else 'AVX2' if 'AVX2' in c else 'DEFAULT')")
+fi
 
+stage "sanitizer build (CPU ISAs up to $isa_max)"
 cmake -S . -B "$build" -G Ninja \
   -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_PREFIX_PATH="$prefix" \
   -DPython_EXECUTABLE="$(command -v "$python")" \
   -DFUSEDMHA_SANITIZE=address,undefined \
   -DFUSEDMHA_CUDA=0 \
+  -DFUSEDMHA_CPU_ISA_MAX="$isa_max" \
   -DFUSEDMHA_BUILD_TESTS=ON \
   -DFUSEDMHA_BUILD_PYTHON=ON \
   -DFUSEDMHA_PYTHON_OUTPUT_DIR="$package/fusedmha"
@@ -42,7 +59,7 @@ find python/fusedmha -name '*.py' ! -name _build_config.py | while read -r f; do
 done
 
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
-echo "== C++ tests under ASan + UBSan + LSan (ctest) =="
+stage "sanitized C++ tests (ctest)"
 # (installed_package builds an example against an installed copy: a packaging
 # test, run by tests/run.sh)
 ASAN_OPTIONS=detect_leaks=1:halt_on_error=1 \
@@ -63,13 +80,14 @@ sanitized() {
 }
 sanitized -c "import fusedmha, os; assert fusedmha.__file__.startswith('$package'), fusedmha.__file__"
 
-echo "== Fuzz run under ASan + UBSan =="
+stage "sanitized fuzz run"
 # Seed 1: test_fuzz.py runs seed 0 in the ordinary build.
 sanitized "$root/tests/python/fuzz_attention.py" --quiet --strict \
   --calls "${FUSEDMHA_FUZZ_CALLS:-1500}" --seed "${FUSEDMHA_FUZZ_SEED:-1}"
 
 if [ "${FUSEDMHA_SANITIZE_PYTEST:-0}" = 1 ]; then
-  echo "== Python tests under ASan + UBSan (pytest) =="
+  stage "sanitized Python tests (pytest)"
   sanitized -m pytest "$root/tests/python" -q -p no:cacheprovider \
     --ignore="$root/tests/python/test_leaks.py" --ignore="$root/tests/python/test_fuzz.py" "$@"
 fi
+stage

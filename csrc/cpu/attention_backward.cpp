@@ -17,7 +17,17 @@ namespace {
 // Runs the backward pass bp of call on the intra-op threads; the gradients
 // per output head.
 ops::DenseGradients run_backward(const ops::AttentionCall& call, BackwardParams bp) {
+  const AttentionParams& p = bp.fwd;
+  if (p.num_outer == 0 || p.len_q == 0 || p.len_kv == 0) {
+    // No query row or no key: every gradient is 0 (dQ is allocated as
+    // zeros), and the work split would divide by zero.
+    const ops::DenseGradients grads = call.allocate_gradients(bp);
+    grads.k.zero_();
+    grads.v.zero_();
+    return grads;
+  }
   const IsaKernels kernels = selected_kernels();
+  // (The split sets bp.grad_q_splits, which the gradients are allocated by.)
   const WorkSplit split = kernels.backward_configure(bp, available_threads());
   const ops::DenseGradients grads = call.allocate_gradients(bp);
   run_items_in_parallel(split.items, split.workspace_bytes, [&](int64_t item, void* workspace) {

@@ -82,6 +82,9 @@ AttentionParams with_outer_dim_last(AttentionParams p, int d) {
 // fresh dropout stream, which it records in rng_state (else p has it).
 void run_forward(AttentionParams p, double dropout_p, const at::Tensor& rng_state,
                  bool draw = true) {
+  // No query rows (an empty batch, head or query dim, or no sequence):
+  // nothing to compute, and the work split below would divide by zero.
+  if (p.num_outer == 0 || p.len_q == 0) return;
   if (draw) {
     p.dropout = draw_dropout(dropout_p);
     // (Written in place, not as rng_state[i] = x: two ATen ops each, which
@@ -137,14 +140,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cpu(
                               enable_gqa, variants);
   ops::check_dropout_state(ops::kForwardOp, dropout_state);
   auto [out, lse, rng_state] = ops::allocate_attention_outputs(query, key, value, enable_gqa);
+  if (dropout_state.has_value()) rng_state = ops::returned_rng_state(rng_state, dropout_state);
+  // No query rows: nothing to compute, and no mask to scan.
+  if (lse.numel() == 0) return {out, lse, rng_state};
   ops::AttentionCall call(ops::kForwardOp, query, key, value, attn_mask, is_causal, scale,
                           enable_gqa, variants, dropout_p, ops::last_dim_contiguous,
                           /*pack_query_heads=*/true, decode_rows(query));
   AttentionParams p = call.forward(out, lse);
-  if (dropout_state.has_value()) {
-    rng_state = ops::returned_rng_state(rng_state, dropout_state);
-    p.dropout = call.replay_dropout(rng_state, dropout_p);
-  }
+  if (dropout_state.has_value()) p.dropout = call.replay_dropout(rng_state, dropout_p);
   run_forward(p, dropout_p, rng_state, /*draw=*/!dropout_state.has_value());
   return {out, lse, rng_state};
 }

@@ -790,6 +790,7 @@ template <typename acc_t>
 int64_t heads_sharing_mask(const AttentionParams& p) {
   if (p.seq.on() || !mask_shared_by_heads(p)) return 1;
   const int64_t h = p.outer.size[p.outer.dims - 1];
+  if (h <= 1) return 1;  // (no heads: the divisions below need one)
   constexpr int64_t nr = panel_width<acc_t>();
   const int64_t rows = kMaskBlockQ;
   const int64_t per_head = static_cast<int64_t>(sizeof(acc_t)) *
@@ -881,7 +882,8 @@ WorkSplit configure(const AttentionParams& p, int64_t threads) {
     split.row_splits = div_up(p.len_q, decode_rows<acc_t>());
     split.block_kv = paged_block(p, decode_block<acc_t>(p));
     // The heads of a sequence (packed batches), else of the last outer dim.
-    split.heads = p.seq.on() ? p.seq.heads : (p.outer.dims ? p.outer.size[p.outer.dims - 1] : 1);
+    split.heads = std::max<int64_t>(
+        p.seq.on() ? p.seq.heads : (p.outer.dims ? p.outer.size[p.outer.dims - 1] : 1), 1);
     // Fewer heads per item, the most that still give every thread about two
     // items: where each head's keys are rows of their own ((B, H_kv, S, E),
     // not a cache's (B, S, H_kv, E) rows of all heads), so that the keys need

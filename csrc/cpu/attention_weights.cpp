@@ -26,6 +26,12 @@ at::Tensor attention_weights_cpu(const at::Tensor& query, const at::Tensor& key,
                                       attn_mask, dropout_p, scale, enable_gqa, variants);
   at::Tensor weights = ops::allocate_attention_weights(query, key, enable_gqa, average_heads);
   if (weights.numel() == 0) return weights;
+  if (ops::attention_query_rows(ops::kWeightsOp, query, key, key, enable_gqa) == 0 ||
+      key.size(-2) == 0) {
+    // No query row or no key (or no head to average): no probability is
+    // positive, and the work split would divide by zero.
+    return weights.zero_();
+  }
   // Key stands in for value: the weights never read values.
   ops::AttentionCall call(ops::kWeightsOp, query, key, key, attn_mask, is_causal, scale,
                           enable_gqa, variants, dropout_p, ops::last_dim_contiguous,

@@ -16,11 +16,9 @@
 namespace fusedmha::cpu {
 namespace {
 
-#if FUSEDMHA_CPU_X86
-constexpr IsaLevel kHighestCompiled = IsaLevel::Avx512;
-#else
-constexpr IsaLevel kHighestCompiled = IsaLevel::Default;
-#endif
+// The widest level this build compiled (CMake's FUSEDMHA_CPU_ISA_MAX; the
+// levels below it are compiled too).
+constexpr IsaLevel kHighestCompiled = static_cast<IsaLevel>(FUSEDMHA_CPU_ISA_HIGHEST);
 
 IsaLevel highest_supported_by_cpu() {
 #if FUSEDMHA_CPU_X86
@@ -97,8 +95,10 @@ IsaKernels selected_kernels() {
         LEVEL::fma_chains                                                          \
   }
   switch (selected_isa()) {
-#if FUSEDMHA_CPU_X86
+#if FUSEDMHA_CPU_ISA_HIGHEST >= 2
     case IsaLevel::Avx512: return FUSEDMHA_KERNELS(AVX512);
+#endif
+#if FUSEDMHA_CPU_ISA_HIGHEST >= 1
     case IsaLevel::Avx2: return FUSEDMHA_KERNELS(AVX2);
 #endif
     default: return FUSEDMHA_KERNELS(DEFAULT);

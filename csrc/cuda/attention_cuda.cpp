@@ -288,6 +288,12 @@ at::Tensor attention_weights_cuda(const at::Tensor& query, const at::Tensor& key
   const c10::cuda::CUDAGuard guard(query.device());
   at::Tensor weights = ops::allocate_attention_weights(query, key, enable_gqa, average_heads);
   if (weights.numel() == 0) return weights;
+  if (ops::attention_query_rows(ops::kWeightsOp, query, key, key, enable_gqa) == 0 ||
+      key.size(-2) == 0) {
+    // No query row or no key (or no head to average): no probability is
+    // positive, and no kernel would write them (an empty grid).
+    return weights.zero_();
+  }
   // Key stands in for value: the weights never read values.
   ops::AttentionCall call(ops::kWeightsOp, query, key, key, attn_mask, is_causal, scale,
                           enable_gqa, variants, dropout_p, ops::last_dim_contiguous,

@@ -70,10 +70,11 @@ int64_t packed_group(int64_t g, int64_t most_rows) {
 
 }  // namespace
 
-bool packs_query_heads(const at::Tensor& query, const at::Tensor& key,
+bool packs_query_heads(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                        const std::optional<at::Tensor>& attn_mask, bool is_causal,
                        const AttentionVariants& v, double dropout_p) {
-  if (query.dim() < 3 || key.dim() < 3 || query.size(-2) != 1) return false;
+  if (query.dim() < 3 || key.dim() < 3 || value.dim() < 3 || query.size(-2) != 1) return false;
+  if (value.size(-3) != key.size(-3)) return false;
   if (!one_row_heads_pack(query.size(-3), key.size(-3), is_causal, v, dropout_p)) return false;
   // (A per-head mask (..., H, 1, S) is read as rows too: describe_packed.)
   return !attn_mask.has_value() || attn_mask->dim() < 3 || attn_mask->size(-3) == 1 ||
@@ -106,7 +107,7 @@ AttentionCall::AttentionCall(const char* op, const at::Tensor& query, const at::
     outer_shape_.push_back(s.expect_int());
   }
   const bool pack = pack_query_heads &&
-                    packs_query_heads(query, key, attn_mask, is_causal, variants, dropout_p);
+                    packs_query_heads(query, key, value, attn_mask, is_causal, variants, dropout_p);
   if (pack) {
     group_ = packed_group(query.size(-3) / key.size(-3), most_packed_rows);
     outer_shape_.back() /= group_;  // the K/V heads (or a share of each one's query heads)
@@ -215,6 +216,8 @@ void AttentionCall::set_variants(bool is_causal, std::optional<double> scale,
 
 bool AttentionCall::use_mask_structure(const at::Tensor& mask) {
   AttentionParams& p = inputs_;
+  // (An empty call has no rows to scan, and no batch to split spans by.)
+  if (p.num_outer == 0 || p.len_q == 0 || p.len_kv == 0) return false;
   // A band from the mask only where the call has none, and nothing else
   // reads the diagonal (ALiBi's distances); packed heads are one query row.
   const bool with_band = !has_band(p) && !p.alibi_slopes.data && group_ == 1;
@@ -222,6 +225,7 @@ bool AttentionCall::use_mask_structure(const at::Tensor& mask) {
       mask, outer_shape_, p.len_q, p.len_kv, with_band, /*lowest_hides=*/!has_band(p));
   if (!s) return false;
   const int64_t batches = static_cast<int64_t>(s->spans.size()) / 2;
+  TORCH_INTERNAL_ASSERT(batches > 0, "find_mask_structure: a span per batch index, at least one");
   at::Tensor spans = at::empty({2 * batches}, mask.options().dtype(at::kLong));
   std::copy(s->spans.begin(), s->spans.end(), spans.mutable_data_ptr<int64_t>());
   kept_.push_back(spans);
@@ -461,7 +465,7 @@ WeightsParams AttentionCall::weights(const at::Tensor& logsumexp, const at::Tens
   kept_.push_back(logsumexp.contiguous());
   wp.fwd.lse = describe_lse(kept_.back());
   wp.fwd.dropout = replay_dropout(rng_state, dropout_p);
-  wp.heads_per_item = average_heads ? outer_shape_.back() : 1;
+  wp.heads_per_item = average_heads ? std::max<int64_t>(outer_shape_.back(), 1) : 1;
   wp.weights = weights.mutable_data_ptr();
   return wp;
 }

@@ -56,8 +56,9 @@ struct DenseGradients {
 // that share a K/V head are G rows of one item (or G / G' items of G' rows,
 // where the backend caps the rows: AttentionCall's most_packed_rows): K/V
 // are read once per group, not once per head, and the score tiles are G
-// rows deep instead of 1.
-bool packs_query_heads(const at::Tensor& query, const at::Tensor& key,
+// rows deep instead of 1. (Key and value have the same heads: a value whose
+// heads broadcast differently would tell the rows apart.)
+bool packs_query_heads(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                        const std::optional<at::Tensor>& attn_mask, bool is_causal,
                        const AttentionVariants& variants, double dropout_p);
 

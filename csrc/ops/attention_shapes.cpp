@@ -74,6 +74,15 @@ std::vector<c10::SymInt> attention_outer_shape(const char* op,
   return outer;
 }
 
+int64_t attention_query_rows(const char* op, const at::Tensor& query, const at::Tensor& key,
+                             const at::Tensor& value, bool enable_gqa) {
+  int64_t rows = query.size(-2);
+  for (const c10::SymInt& size : attention_outer_shape(op, query, key, value, enable_gqa)) {
+    rows *= size.expect_int();
+  }
+  return rows;
+}
+
 at::Tensor allocate_attention_weights(const at::Tensor& query,
                                       const at::Tensor& key,
                                       bool enable_gqa,

@@ -27,6 +27,11 @@ std::vector<c10::SymInt> attention_outer_shape(const char* op,
                                                const at::Tensor& value,
                                                bool enable_gqa);
 
+// The query rows of a call: the outer shape's size times L (0 for an empty
+// batch, head or query dim, where there is nothing to compute).
+int64_t attention_query_rows(const char* op, const at::Tensor& query, const at::Tensor& key,
+                             const at::Tensor& value, bool enable_gqa);
+
 // Output (..., H, L, Ev) in the query's layout, as PyTorch's SDPA returns it, the
 // log-sum-exp (..., H, L), float32 (float64 for float64 inputs), and the
 // dropout rng state (int64 [seed, offset]).

@@ -312,7 +312,10 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group=None, causal: bool = F
         raise ValueError(f"{_RING}: window_size entries must be >= -1, got {window_size}")
     if causal:
         right = 0
-    scale = 1.0 / math.sqrt(q.size(-1)) if softmax_scale is None else float(softmax_scale)
+    if softmax_scale is not None:
+        scale = float(softmax_scale)
+    else:  # (E = 0: every score is 0, whatever the scale)
+        scale = 1.0 / math.sqrt(q.size(-1)) if q.size(-1) > 0 else 0.0
     return _RingAttention.apply(q, k, v, group, zigzag, scale, left, right, float(dropout_p))
 
 

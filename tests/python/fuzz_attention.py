@@ -101,10 +101,13 @@ ENTRY_POINTS = {
     "flash_attn_with_kvcache": ("fusedmha.flash_attn_with_kvcache",
                                 "fusedmha.attention_with_kvcache"),
     "MultiheadAttention": ("fusedmha.MultiheadAttention",),
+    "merge_attention": ("fusedmha.merge_attention",),
+    "ring_attention": ("fusedmha.distributed.ring_attention",),
 }
 ENTRY_WEIGHTS = {"sdpa": 24, "attention_forward": 12, "attention_backward": 8,
                  "flash_attn_func": 13, "flash_attn_varlen_func": 14,
-                 "flash_attn_with_kvcache": 13, "MultiheadAttention": 16}
+                 "flash_attn_with_kvcache": 13, "MultiheadAttention": 16,
+                 "merge_attention": 2, "ring_attention": 2}
 
 # Inputs that fail today for reasons in the C++ code: tag -> minimal reproducer. A case tagged
 # with one of these counts as "known" when it fails (a failure with --strict); once the code is
@@ -2373,16 +2376,31 @@ def gen_mha(rng, g, kind, seed):
 # --------------------------------------------------------------------------------------
 
 ERROR_KINDS = {"wrong_device": 4, "wrong_dtype": 4, "wrong_shape": 6}
-KINDS = {  # kind -> weight, per entry point
-    "sdpa": dict(valid=40, nonfinite=8, empty=5, huge=2, overflow=1, meta=5, **ERROR_KINDS),
-    "attention_forward": dict(valid=40, nonfinite=8, empty=5, huge=2, overflow=1, meta=5, **ERROR_KINDS),
-    "attention_backward": dict(valid=40, meta=5, **ERROR_KINDS),
-    "flash_attn_func": dict(valid=40, nonfinite=8, empty=5, huge=2, meta=5, **ERROR_KINDS),
-    "flash_attn_varlen_func": dict(valid=40, nonfinite=8, empty=5, meta=5, **ERROR_KINDS),
-    "flash_attn_with_kvcache": dict(valid=40, nonfinite=8, empty=5, meta=5, overlap=6, **ERROR_KINDS),
-    "MultiheadAttention": dict(valid=40, train=8, nonfinite=6, empty=4, meta=4, wrong_device=3,
-                               wrong_dtype=5, wrong_shape=8),
+KINDS = {  # kind -> weight, per entry point ("edge": fuzz_edges.py)
+    "sdpa": dict(valid=40, nonfinite=8, empty=5, edge=16, huge=2, overflow=1, meta=5, **ERROR_KINDS),
+    "attention_forward": dict(valid=40, nonfinite=8, empty=5, edge=16, huge=2, overflow=1, meta=5,
+                              **ERROR_KINDS),
+    "attention_backward": dict(valid=40, edge=12, meta=5, **ERROR_KINDS),
+    "flash_attn_func": dict(valid=40, nonfinite=8, empty=5, edge=10, huge=2, meta=5, **ERROR_KINDS),
+    "flash_attn_varlen_func": dict(valid=40, nonfinite=8, empty=5, edge=8, meta=5, **ERROR_KINDS),
+    "flash_attn_with_kvcache": dict(valid=40, nonfinite=8, empty=5, edge=8, meta=5, overlap=6,
+                                    **ERROR_KINDS),
+    "MultiheadAttention": dict(valid=40, train=8, nonfinite=6, empty=4, edge=14, meta=4,
+                               wrong_device=3, wrong_dtype=5, wrong_shape=8),
+    "merge_attention": dict(edge=1),
+    "ring_attention": dict(edge=1),
 }
+
+
+def gen_edge(entry):
+    """The edge cases of an entry point (fuzz_edges.py, imported when first drawn: it builds on
+    this module)."""
+    def gen(rng, g, kind, seed):
+        import fuzz_edges
+        return fuzz_edges.GENERATORS[entry](rng, g, seed)
+    return gen
+
+
 GENERATORS = {
     "sdpa": lambda rng, g, kind, seed: gen_sdpa_like("sdpa", rng, g, kind, seed),
     "attention_forward": lambda rng, g, kind, seed: gen_sdpa_like("attention_forward", rng, g, kind, seed),
@@ -2392,7 +2410,7 @@ GENERATORS = {
     "flash_attn_with_kvcache": gen_kvcache,
     "MultiheadAttention": gen_mha,
 }
-OUTCOMES = ("pass", "known", "fail")
+OUTCOMES = ("pass", "known", "fail", "crash")
 
 
 def weighted(rng, weights):
@@ -2408,7 +2426,8 @@ def draw_case(seed, index):
     kind = weighted(rng, KINDS[entry])
     torch.manual_seed(case_seed)  # what draws from PyTorch's global generator (module init)
     g = torch.Generator().manual_seed(case_seed)
-    return entry, kind, lambda: GENERATORS[entry](rng, g, kind, case_seed)
+    generate = gen_edge(entry) if kind == "edge" else GENERATORS[entry]
+    return entry, kind, lambda: generate(rng, g, kind, case_seed)
 
 
 # What a case may raise and still be judged (pytest.fail's Failed is no Exception).
@@ -2454,11 +2473,37 @@ class Counts(collections.Counter):
         self.reports, self.known_reports = [], []
         self.tags_seen, self.tags_failed = set(), set()
         self.described = {}
+        self.tagged = collections.Counter()  # cases per tag: "edge", "empty", "mask"
         self.calls = 0
         self.seconds = 0.0
 
     def failures(self, strict=False):
-        return sum(n for (_, _, o), n in self.items() if o == "fail" or strict and o == "known")
+        return sum(n for (_, _, o), n in self.items()
+                   if o in ("fail", "crash") or strict and o == "known")
+
+    def __reduce__(self):  # (Counter's pickles the counts alone: the workers send all of it)
+        return _counts_from, (dict(self), self.__dict__)
+
+    def crashes(self):
+        return sum(n for (_, _, o), n in self.items() if o == "crash")
+
+    def merge(self, other):
+        self.update(other)
+        self.reports += other.reports
+        self.known_reports += other.known_reports
+        self.tags_seen |= other.tags_seen
+        self.tags_failed |= other.tags_failed
+        self.described.update(other.described)
+        self.tagged.update(other.tagged)
+        self.calls += other.calls
+        self.seconds += other.seconds
+
+
+def _counts_from(items, attributes):
+    counts = Counts()
+    counts.update(items)
+    counts.__dict__.update(attributes)
+    return counts
 
 
 def reproducer(seed, index, entry, kind, what, tags, why):
@@ -2493,6 +2538,7 @@ def run(calls, seed, only_case=None, strict=False, time_budget=None, quiet=False
             faulthandler.cancel_dump_traceback_later()
         counts.calls += 1
         counts.described[index] = f"{entry} / {kind}: {what}"
+        counts.tagged.update(tags & {"edge", "empty", "mask", "empty+mask"})
         known = tags & set(KNOWN_FAILURES)
         counts.tags_seen |= known
         if why is None:
@@ -2511,6 +2557,96 @@ def run(calls, seed, only_case=None, strict=False, time_budget=None, quiet=False
     return counts
 
 
+# --------------------------------------------------------------------------------------
+# runs in worker processes: a case that kills its process does not end the run
+# --------------------------------------------------------------------------------------
+
+def crash_report(seed, index, returncode, stderr_tail):
+    what = f"killed by signal {-returncode}" if returncode < 0 else f"exited with {returncode}"
+    entry, kind, make_case = draw_case(seed, index)
+    try:
+        described = make_case().what
+    except Exception as exc:  # noqa: BLE001
+        described = f"(could not be drawn again: {exc})"
+    return entry, kind, described, (f"=== CRASH seed {seed} case {index}: {entry} / {kind}\n"
+                                    f"case: {described}\nthe process was {what}; its last words:\n"
+                                    f"{stderr_tail.rstrip()}\n"
+                                    f"replay: python tests/python/fuzz_attention.py --seed {seed} "
+                                    f"--only-case {index}")
+
+
+def run_isolated(calls, seed, strict=False, quiet=False, threads=None, out=sys.stdout):
+    """run() over cases 0 .. calls-1 in a worker process; where a case kills the worker (a
+    signal, an abort, the hang watchdog), it is counted as a crash with its reproducer, and a
+    new worker goes on from the next case. Returns the Counts of all the cases."""
+    import pickle
+    import subprocess
+    import tempfile
+    counts = Counts()
+    start = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        progress, results, errors = (os.path.join(tmp, n) for n in ("progress", "results", "stderr"))
+        while start < calls:
+            cmd = [sys.executable, os.path.abspath(__file__), "--worker", progress, results,
+                   "--seed", str(seed), "--first", str(start), "--calls", str(calls)]
+            cmd += (["--strict"] if strict else []) + (["--quiet"] if quiet else [])
+            cmd += ["--threads", str(threads)] if threads else []
+            with open(errors, "w") as err:
+                proc = subprocess.run(cmd, stdout=subprocess.DEVNULL if quiet else None, stderr=err)
+            with open(results, "rb") as f:  # each judged case's Counts (a torn last one: lost)
+                while True:
+                    try:
+                        counts.merge(pickle.load(f))
+                    except (EOFError, pickle.UnpicklingError):
+                        break
+            with open(progress) as f:
+                started = [int(line) for line in f.read().split()]
+            if proc.returncode == 0 and started and started[-1] == calls - 1:
+                break
+            index = started[-1] if started else start
+            with open(errors) as f:
+                tail = "\n".join(f.read().splitlines()[-25:])
+            entry, kind, described, text = crash_report(seed, index, proc.returncode, tail)
+            counts[entry, kind, "crash"] += 1
+            counts.calls += 1
+            counts.described[index] = f"{entry} / {kind}: {described}"
+            counts.reports.append(text)
+            if not quiet:
+                print(text, file=out, flush=True)
+            start = index + 1
+    return counts
+
+
+def worker(progress, results, calls, seed, first, strict, quiet):
+    """The worker side of run_isolated: writes each case's index to `progress` before it runs
+    it (the case that was running when the process died is the last one there), and appends
+    each judged case's Counts, pickled, to `results`."""
+    import pickle
+    import signal
+    faulthandler.enable()  # a fatal signal prints the Python stack to stderr: the report's tail
+    # (test_fuzz.py checks that a crash is reported and the run goes on: this case dies.)
+    kill = os.environ.get("FUSEDMHA_FUZZ_KILL_CASE")
+    with open(progress, "w") as marks, open(results, "wb") as judged:
+        for index in range(first, calls):
+            marks.write(f"{index}\n")
+            marks.flush()
+            if kill is not None and index == int(kill):
+                os.kill(os.getpid(), signal.SIGFPE)
+            counts = run(calls, seed, only_case=index, strict=strict, quiet=True)
+            if not quiet:
+                for text in counts.reports + (counts.known_reports if strict else []):
+                    print(text, flush=True)
+            pickle.dump(counts, judged)
+            judged.flush()
+
+
+def shares(counts):
+    """The share of the calls that are edge cases, that have an empty dim, and an empty dim
+    beside a mask."""
+    n = max(counts.calls, 1)
+    return {tag: counts.tagged[tag] / n for tag in ("edge", "empty", "empty+mask")}
+
+
 def summary(counts, out=sys.stdout):
     """The table per entry point x kind, calls/s, and the state of KNOWN_FAILURES."""
     rows = sorted({(e, k) for e, k, _ in counts})
@@ -2521,6 +2657,8 @@ def summary(counts, out=sys.stdout):
     print(f"{'total':<40}" + "".join(f"{n:>7}" for n in totals), file=out)
     rate = counts.calls / counts.seconds if counts.seconds else 0.0
     print(f"{counts.calls} calls in {counts.seconds:.1f} s: {rate:.1f} calls/s", file=out)
+    print("shares of the calls: " + ", ".join(f"{t} {100 * x:.1f}%" for t, x in shares(counts).items()),
+          file=out)
     for tag in sorted(counts.tags_seen - counts.tags_failed):
         print(f"now passing: remove from KNOWN_FAILURES: {tag}", file=out)
     for tag in sorted(counts.tags_failed):
@@ -2537,15 +2675,36 @@ def main(argv=None):
     parser.add_argument("--only-case", type=int, default=None, help="replay this case index only")
     parser.add_argument("--strict", action="store_true", help="known failures fail the run too")
     parser.add_argument("--quiet", action="store_true", help="no reproducers, no table: a one-line result")
+    parser.add_argument("--in-process", action="store_true",
+                        help="run the cases in this process (a crash then ends the run)")
+    parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
+    parser.add_argument("--worker", nargs=2, metavar=("PROGRESS", "RESULT"), help=argparse.SUPPRESS)
+    parser.add_argument("--first", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    counts = run(args.calls, args.seed, only_case=args.only_case, strict=args.strict, quiet=args.quiet)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.worker:
+        worker(*args.worker, args.calls, args.seed, args.first, args.strict, args.quiet)
+        return 0
+    if args.only_case is not None or args.in_process:
+        counts = run(args.calls, args.seed, only_case=args.only_case, strict=args.strict,
+                     quiet=args.quiet)
+    else:
+        counts = run_isolated(args.calls, args.seed, strict=args.strict, quiet=args.quiet,
+                              threads=args.threads)
     if args.quiet:
         totals = {o: sum(n for (_, _, oc), n in counts.items() if oc == o) for o in OUTCOMES}
-        print(f"seed {args.seed}: {counts.calls} calls, " + ", ".join(f"{n} {o}" for o, n in totals.items()))
+        print(f"seed {args.seed}: {counts.calls} calls, " + ", ".join(f"{n} {o}" for o, n in totals.items())
+              + "; " + ", ".join(f"{t} {100 * x:.1f}%" for t, x in shares(counts).items()))
+        for text in counts.reports:  # (crashes and failures: each with its replay line)
+            print(text)
     else:
         summary(counts)
     return 1 if counts.failures(args.strict) else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run as the module fuzz_attention, not as __main__: fuzz_edges.py imports it by that name,
+    # and the Counts a worker pickles name their class by it.
+    import fuzz_attention
+    sys.exit(fuzz_attention.main())

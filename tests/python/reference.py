@@ -165,7 +165,8 @@ def reference_variants(q, k, v, attn_mask=None, is_causal=False, scale=None, ena
                           torch.full_like(attends, math.inf, dtype=scores.dtype))
         probs = torch.softmax(safe, dim=-1) * attends
     kept = probs if keep is None else probs * keep.to(probs.device) / (1 - dropout_p)
-    return kept @ v, lse.squeeze(-1), probs
+    out = kept @ v  # (v's batch dims may broadcast those of q and k: the lse follows the output)
+    return out, lse.squeeze(-1).expand(out.shape[:-1]), probs
 
 
 def assert_same_gradients(out, ref, inputs, **tol):
@@ -279,8 +280,8 @@ def reference_mha(m, query, key, value, key_padding_mask=None, attn_mask=None, i
         v = torch.cat([v, P["bias_v"].expand(1, N, E)])
         add = F.pad(add, (0, 1))
     q = q.view(L, N, H, hd).permute(1, 2, 0, 3)
-    k = k.view(-1, N, H, hd).permute(1, 2, 0, 3)
-    v = v.view(-1, N, H, hd).permute(1, 2, 0, 3)
+    k = k.view(k.shape[0], N, H, hd).permute(1, 2, 0, 3)
+    v = v.view(v.shape[0], N, H, hd).permute(1, 2, 0, 3)
     if m.add_zero_attn:
         k = torch.cat([k, k.new_zeros(N, H, 1, hd)], dim=2)
         v = torch.cat([v, v.new_zeros(N, H, 1, hd)], dim=2)

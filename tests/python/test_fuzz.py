@@ -1,8 +1,10 @@
 """A bounded run of the seeded fuzzer (fuzz_attention.py) in the ordinary test suite: every
 entry point and kind of case, each case checked as the fuzzer checks it (within the parity
-bounds of the float64 reference, or an error naming the entry point called). Failures print
-their reproducers (`--seed S --only-case N` replays one). tests/sanitize.sh runs another seed
-under ASan + UBSan; a long local run: `python tests/python/fuzz_attention.py --calls 20000`."""
+bounds of the float64 reference, or an error naming the entry point called), in a worker
+process, so that a case that kills its process is reported as a crash and the run goes on.
+Failures print their reproducers (`--seed S --only-case N` replays one). tests/sanitize.sh runs
+another seed under ASan + UBSan; a long local run: `python tests/python/fuzz_attention.py
+--calls 20000`."""
 
 import io
 
@@ -12,17 +14,36 @@ import torch.nn.functional as F
 
 import fuzz_attention
 
-CALLS = 400  # about a minute on 2 cores
+CALLS = 500  # about a minute on 2 cores
 
 
 @pytest.fixture(scope="module")
-def counts(one_thread):
-    return fuzz_attention.run(CALLS, seed=0, quiet=True)
+def counts():
+    return fuzz_attention.run_isolated(CALLS, seed=0, quiet=True, threads=1)
 
 
 def test_bounded_fuzz_run_has_no_failures(counts):
     assert counts.calls == CALLS
     assert counts.failures(strict=True) == 0, "\n\n".join(counts.reports + counts.known_reports)
+
+
+def test_bounded_fuzz_run_draws_edge_cases(counts):
+    """At least a tenth of the calls have an empty dim (fuzz_edges.py), many beside a mask."""
+    shares = fuzz_attention.shares(counts)
+    assert shares["empty"] >= 0.1, shares
+    assert shares["empty+mask"] >= 0.03, shares
+
+
+def test_a_crash_is_reported_and_the_run_goes_on(monkeypatch):
+    """A case that kills its worker (here case 3 of 6, by a signal) is counted as a crash, with
+    the case and the signal named and its replay line, and the cases after it still run."""
+    monkeypatch.setenv("FUSEDMHA_FUZZ_KILL_CASE", "3")
+    counts = fuzz_attention.run_isolated(6, seed=0, quiet=True, threads=1)
+    assert counts.calls == 6
+    assert counts.crashes() == 1 and counts.failures() == 1, dict(counts)
+    report = next(r for r in counts.reports if r.startswith("=== CRASH"))
+    assert "case 3:" in report and "signal 8" in report and "--only-case 3" in report, report
+    assert sorted(counts.described) == list(range(6))
 
 
 def test_bounded_fuzz_run_reaches_every_entry_point_and_kind(counts):
