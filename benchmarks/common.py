@@ -25,11 +25,12 @@ def time_call(fn, min_time=0.5, warmup=1):
 
 def fma_peak_gflops(seconds=0.1, readings=3):
     """This machine's fp32 FMA peak now, in GFLOP/s: register-only FMA chains at the ISA level
-    fusedmha's kernels run at, on every intra-op thread. Measure it next to each timing: the
-    clock of a shared machine drifts. The most of a few readings: one taken while a thread
-    was descheduled reads low (half, with 2 threads), and a row's % of it then reads high
-    (184% once, for a row at 92%). Three readings in a row can all read low (126% once, for a
-    row at 65%): take it before and after a row's timings and keep the higher (peak_after)."""
+    fusedmha's kernels run at, on every intra-op thread (fusedmha.cpu_fma_peak_gflops, the
+    fastest of five short rounds; benchmarks/probe_check.py holds it against an independent C
+    loop). Measure it next to each timing: the clock of a shared machine drifts. The most of a
+    few readings: in a busy minute every round of one reading can find a thread descheduled,
+    and a row's % of it then reads high; take it before and after a row's timings and keep
+    the higher (peak_after)."""
     import fusedmha
 
     return max(fusedmha.cpu_fma_peak_gflops(seconds) for _ in range(readings))
@@ -42,17 +43,22 @@ def peak_after(peak_before):
 
 
 class MemoryRead:
-    """A probe of this machine's memory-read bandwidth: a call sums a buffer far larger than
-    the caches (every intra-op thread reads). Time it in alternation with the calls it is the
-    yardstick for (time_interleaved): the bandwidth of a shared machine drifts from minute to
-    minute, and both sides then get the same minutes, and medians."""
+    """A probe of this machine's memory-read bandwidth: a call reads a buffer far larger than
+    the caches with plain vector loads on every intra-op thread (fusedmha's
+    cpu_memory_read; benchmarks/probe_check.py holds it against an independent streaming
+    read). Time it in alternation with the calls it is the yardstick for (time_interleaved):
+    the bandwidth of a shared machine drifts from minute to minute, and both sides then get
+    the same minutes, and medians."""
 
     def __init__(self, nbytes=512 << 20):
+        import fusedmha
+
         self.nbytes = nbytes
         self.buffer = torch.ones(nbytes // 4)
+        self._read = fusedmha._C.cpu_memory_read
 
     def __call__(self):
-        self.buffer.sum()
+        self._read(self.buffer)
 
     def gbps(self, seconds):
         return self.nbytes / seconds / 1e9

@@ -22,6 +22,7 @@ set(FUSEDMHA_SOURCES
   csrc/cpu/isa.cpp
   csrc/cpu/work_items.cpp
   csrc/cpu/fma_peak.cpp
+  csrc/cpu/memory_read.cpp
 )
 # Compiled once per ISA level (see FUSEDMHA_CPU_ISA_LEVELS).
 set(FUSEDMHA_CPU_ISA_SOURCES

@@ -7,7 +7,7 @@
 #include <torch/extension.h>
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "fusedmha native module (build information, the CPU's FMA peak)";
+  m.doc() = "fusedmha native module (build information, the CPU's FMA peak and memory read)";
   m.def(
       "build_info",
       []() {
@@ -25,5 +25,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_fma_peak_gflops", &fusedmha::cpu_fma_peak_gflops, pybind11::arg("seconds") = 0.25,
         pybind11::call_guard<pybind11::gil_scoped_release>(),
         "The fp32 FMA peak of this machine in GFLOP/s: register-only FMA chains at the ISA "
-        "level in use, on every intra-op thread at once, timed for about `seconds`.");
+        "level in use, on every intra-op thread at once, the fastest of five rounds that take "
+        "about `seconds` together.");
+  m.def(
+      "cpu_memory_read",
+      [](const at::Tensor& buffer) {
+        TORCH_CHECK(buffer.is_cpu() && buffer.is_contiguous(),
+                    "fusedmha._C.cpu_memory_read: expected a contiguous CPU tensor, got ",
+                    buffer.device(), buffer.is_contiguous() ? "" : " (not contiguous)");
+        return fusedmha::cpu_memory_read(buffer.const_data_ptr(),
+                                         static_cast<int64_t>(buffer.nbytes()));
+      },
+      pybind11::arg("buffer"), pybind11::call_guard<pybind11::gil_scoped_release>(),
+      "One pass of vector loads over a contiguous CPU tensor's bytes on every intra-op "
+      "thread (returns the sum of the floats read): the benchmarks' memory-read yardstick.");
 }

@@ -49,7 +49,8 @@ def build_info() -> dict:
 
 def cpu_fma_peak_gflops(seconds: float = 0.25) -> float:
     """The fp32 FMA peak of this machine in GFLOP/s: register-only FMA chains at the ISA level
-    the CPU kernels run at, on every intra-op thread at once (the benchmarks' yardstick)."""
+    the CPU kernels run at, on every intra-op thread at once, the fastest of five rounds that
+    take about `seconds` together (the benchmarks' yardstick)."""
     return _C.cpu_fma_peak_gflops(seconds)
 
 

@@ -2377,15 +2377,15 @@ def gen_mha(rng, g, kind, seed):
 
 ERROR_KINDS = {"wrong_device": 4, "wrong_dtype": 4, "wrong_shape": 6}
 KINDS = {  # kind -> weight, per entry point ("edge": fuzz_edges.py)
-    "sdpa": dict(valid=40, nonfinite=8, empty=5, edge=16, huge=2, overflow=1, meta=5, **ERROR_KINDS),
-    "attention_forward": dict(valid=40, nonfinite=8, empty=5, edge=16, huge=2, overflow=1, meta=5,
+    "sdpa": dict(valid=40, nonfinite=8, empty=5, edge=44, huge=2, overflow=1, meta=5, **ERROR_KINDS),
+    "attention_forward": dict(valid=40, nonfinite=8, empty=5, edge=44, huge=2, overflow=1, meta=5,
                               **ERROR_KINDS),
-    "attention_backward": dict(valid=40, edge=12, meta=5, **ERROR_KINDS),
+    "attention_backward": dict(valid=40, edge=30, meta=5, **ERROR_KINDS),
     "flash_attn_func": dict(valid=40, nonfinite=8, empty=5, edge=10, huge=2, meta=5, **ERROR_KINDS),
     "flash_attn_varlen_func": dict(valid=40, nonfinite=8, empty=5, edge=8, meta=5, **ERROR_KINDS),
     "flash_attn_with_kvcache": dict(valid=40, nonfinite=8, empty=5, edge=8, meta=5, overlap=6,
                                     **ERROR_KINDS),
-    "MultiheadAttention": dict(valid=40, train=8, nonfinite=6, empty=4, edge=14, meta=4,
+    "MultiheadAttention": dict(valid=40, train=8, nonfinite=6, empty=4, edge=30, meta=4,
                                wrong_device=3, wrong_dtype=5, wrong_shape=8),
     "merge_attention": dict(edge=1),
     "ring_attention": dict(edge=1),

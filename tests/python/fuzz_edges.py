@@ -66,7 +66,7 @@ def mask_values(shape, kind, dtype, rng, g, lowest=True):
 def draw_edge_mask(rng, g, full, dtype):
     """A mask that broadcasts to `full` (..., L, S): some leading dims dropped, others 1, in a
     random layout; or None."""
-    kind = rng.choice(["none", "bool", "bool", "float", "float", "float32"])
+    kind = rng.choice(["none", "bool", "bool", "bool", "float", "float", "float", "float32"])
     if kind == "none":
         return None
     mask_dtype = torch.bool if kind == "bool" else dtype if kind == "float" else torch.float32

@@ -4,7 +4,7 @@
  *   peak_probes fma [rounds]    fp32 FMA GFLOP/s on every OpenMP thread: 12 independent
  *                               chains of vector FMAs held in registers per thread (the
  *                               widest vectors the flags allow: -mavx512f, -mavx2 -mfma, or
- *                               the SSE2 baseline, which multiplies and adds)
+ *                               the SSE2 baseline, which multiplies and adds instead)
  *   peak_probes read [MiB]      memory-read GB/s on every OpenMP thread: a buffer far larger
  *                               than the caches, summed with vector loads
  *
@@ -39,24 +39,39 @@ typedef __m256 vec;
 #define LOAD(p) _mm256_load_ps(p)
 #define ADD(a, b) _mm256_add_ps(a, b)
 #define FIRST(v) _mm256_cvtss_f32(v)
-#else /* the x86-64 baseline, SSE2: no FMA instruction, a multiply and an add */
+#else /* the x86-64 baseline, SSE2: no FMA instruction; multiplies and adds in pipes of their own */
 typedef __m128 vec;
 #define LANES 4
-#define FMA(a, b, c) _mm_add_ps(_mm_mul_ps(a, b), c)
 #define SET1(x) _mm_set1_ps(x)
 #define LOAD(p) _mm_load_ps(p)
 #define ADD(a, b) _mm_add_ps(a, b)
 #define FIRST(v) _mm_cvtss_f32(v)
+#define SSE_BASELINE 1
 #endif
 
-/* n iterations of 12 independent FMA chains (more than latency x pipes on current x86 cores,
- * a multiply and an add in a row included, and few enough to stay in registers); returns a
- * value that depends on all of them. */
+/* n iterations of 12 independent chains held in registers (more than latency x pipes on
+ * current x86 cores, few enough to need no spill); returns a value that depends on all of them
+ * and the flops done. With FMA: 12 FMA chains (2 flops a lane each). On the SSE2 baseline: 6
+ * multiply chains and 6 add chains (1 flop a lane each), which keep both kinds of pipe busy
+ * as a multiply-add does (a multiply feeding an add within one chain would be latency-bound). */
 #define CHAINS 12
-static float fma_chains(long n) {
+static float fma_chains(long n, double* flops) {
   vec a0 = SET1(0.0f), a1 = SET1(0.1f), a2 = SET1(0.2f), a3 = SET1(0.3f), a4 = SET1(0.4f);
   vec a5 = SET1(0.5f), a6 = SET1(0.6f), a7 = SET1(0.7f), a8 = SET1(0.8f), a9 = SET1(0.9f);
   vec a10 = SET1(0.15f), a11 = SET1(0.25f);
+#if defined(SSE_BASELINE)
+  vec m = SET1(1.0f), c = SET1(1e-7f);
+  __asm__ volatile("" : "+x"(m));  /* (x * 1 is not folded away: m is opaque) */
+#define STEP_MUL(x) x = _mm_mul_ps(x, m)
+#define STEP_ADD(x) x = _mm_add_ps(x, c)
+  for (long i = 0; i < n; ++i) {
+    STEP_MUL(a0); STEP_ADD(a1); STEP_MUL(a2); STEP_ADD(a3); STEP_MUL(a4); STEP_ADD(a5);
+    STEP_MUL(a6); STEP_ADD(a7); STEP_MUL(a8); STEP_ADD(a9); STEP_MUL(a10); STEP_ADD(a11);
+    __asm__ volatile("" : "+x"(a0), "+x"(a1), "+x"(a2), "+x"(a3), "+x"(a4), "+x"(a5));
+    __asm__ volatile("" : "+x"(a6), "+x"(a7), "+x"(a8), "+x"(a9), "+x"(a10), "+x"(a11));
+  }
+  *flops = 1.0 * CHAINS * LANES * (double)n;
+#else
   const vec m = SET1(0.999999f), c = SET1(1e-7f);
   for (long i = 0; i < n; ++i) {
     a0 = FMA(a0, m, c); a1 = FMA(a1, m, c); a2 = FMA(a2, m, c); a3 = FMA(a3, m, c);
@@ -66,6 +81,8 @@ static float fma_chains(long n) {
     __asm__ volatile("" : "+x"(a0), "+x"(a1), "+x"(a2), "+x"(a3), "+x"(a4), "+x"(a5));
     __asm__ volatile("" : "+x"(a6), "+x"(a7), "+x"(a8), "+x"(a9), "+x"(a10), "+x"(a11));
   }
+  *flops = 2.0 * CHAINS * LANES * (double)n;
+#endif
   return FIRST(ADD(ADD(ADD(ADD(a0, a1), ADD(a2, a3)), ADD(ADD(a4, a5), ADD(a6, a7))),
                    ADD(ADD(a8, a9), ADD(a10, a11))));
 }
@@ -74,20 +91,23 @@ static double fma_gflops(long rounds) {
   double best = 0;
   volatile float sink = 0;
   for (int r = 0; r < 5; ++r) {
-    double t0 = 0, t1 = 0;
+    double t0 = 0, t1 = 0, flops = 0;
 #pragma omp parallel
     {
+      double f = 0;
 #pragma omp barrier
 #pragma omp master
       t0 = now();
-      const float s = fma_chains(rounds);
+      const float s = fma_chains(rounds, &f);
 #pragma omp barrier
 #pragma omp master
-      t1 = now();
+      {
+        t1 = now();
+        flops = f * omp_get_num_threads();
+      }
 #pragma omp atomic
       sink += s;
     }
-    const double flops = 2.0 * CHAINS * LANES * (double)rounds * omp_get_max_threads();
     if (flops / (t1 - t0) > best) best = flops / (t1 - t0);
   }
   return best / 1e9;

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -68,6 +69,34 @@ def test_peak_probe_is_a_plausible_number():
 
     peak = fusedmha.cpu_fma_peak_gflops(0.05)
     assert 1.0 < peak < 1e5
+
+
+def test_memory_read_probe_reads_every_byte():
+    """cpu_memory_read sums every float of the buffer (so no load is left out), whatever its
+    length: a multiple of the loop's step or not (the tail short of a step is not read)."""
+    import fusedmha
+
+    for n in (0, 5, 1 << 20, (1 << 20) + 32):
+        buf = torch.ones(n)
+        assert fusedmha._C.cpu_memory_read(buf) == pytest.approx(n // 32 * 32)
+    with pytest.raises(RuntimeError, match="contiguous CPU tensor"):
+        fusedmha._C.cpu_memory_read(torch.ones(64, 2)[:, 0])
+
+
+def test_probe_check_runs(tmp_path):
+    """benchmarks/probe_check.py builds the C yardsticks (tests/python/peak_probes.c) for each
+    ISA level and prints fusedmha's probes beside them."""
+    avx2_compiler_or_skip()
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "probe_check.py"),
+                          "--rounds", "1", "--read-mib", "64"], capture_output=True, text=True,
+                         timeout=600, env=dict(os.environ))
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = [line.split() for line in res.stdout.splitlines() if line.startswith(("FMA", "read"))]
+    assert any(r[:3] == ["FMA", "GFLOP/s", "avx2"] for r in rows), res.stdout
+    assert any(r[:2] == ["read", "GB/s"] for r in rows), res.stdout
+    for r in rows:
+        ours, theirs, ratio = (float(x) for x in r[-3:])
+        assert ours > 0 and theirs > 0 and ratio == pytest.approx(ours / theirs, abs=2e-3), r
 
 
 def test_varlen_benchmark_smoke_run():

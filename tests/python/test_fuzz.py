@@ -28,10 +28,11 @@ def test_bounded_fuzz_run_has_no_failures(counts):
 
 
 def test_bounded_fuzz_run_draws_edge_cases(counts):
-    """At least a tenth of the calls have an empty dim (fuzz_edges.py), many beside a mask."""
+    """At least a tenth of the calls have an empty dim (fuzz_edges.py), most of those beside a
+    mask."""
     shares = fuzz_attention.shares(counts)
     assert shares["empty"] >= 0.1, shares
-    assert shares["empty+mask"] >= 0.03, shares
+    assert shares["empty+mask"] >= 0.08, shares
 
 
 def test_a_crash_is_reported_and_the_run_goes_on(monkeypatch):
