@@ -76,7 +76,7 @@ if(FUSEDMHA_WITH_CUDA)
     endif()
   endforeach()
   if(CCACHE_PROGRAM)
-    set(CMAKE_CUDA_COMPILER_LAUNCHER "${CCACHE_PROGRAM}")
+    set(CMAKE_CUDA_COMPILER_LAUNCHER ${FUSEDMHA_CCACHE})
   endif()
   message(STATUS "fusedmha: CUDA kernels for ${_arch_list} (nvcc ${CMAKE_CUDA_COMPILER_VERSION}, "
                  "torch CUDA ${_torch_cuda_version})")
