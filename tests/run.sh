@@ -32,6 +32,18 @@ cmake -S . -B "$build" -G Ninja \
   -DFUSEDMHA_PYTHON_OUTPUT_DIR="$root/python/fusedmha"
 cmake --build "$build" --parallel "${MAX_JOBS:-$(nproc)}"
 
+sanitize=${FUSEDMHA_SANITIZE_RUN:-1}
+if [ "$sanitize" != 0 ]; then
+  # The sanitizer build (tests/sanitize.sh: instrumented, CPU only) in the
+  # background at the lowest priority while the tests below run: it takes
+  # the cores they leave idle (most of pytest runs on one), and ends with the
+  # script if a test fails.
+  sanitize_log="$build/sanitize_build.log"
+  nice -n 19 setsid bash tests/sanitize.sh --build-only > "$sanitize_log" 2>&1 &
+  sanitize_build=$!
+  trap 'kill -- -"$sanitize_build" 2>/dev/null || true' EXIT
+fi
+
 stage "C++ tests (ctest)"
 ctest --test-dir "$build" --output-on-failure
 
@@ -39,12 +51,21 @@ stage "Python tests (pytest)"
 # A fresh compile cache: a cached graph of an older build could call an op
 # with a schema that has since changed.
 export TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)"
-trap 'rm -rf "$TORCHINDUCTOR_CACHE_DIR"' EXIT
+trap 'rm -rf "$TORCHINDUCTOR_CACHE_DIR"; [ -z "${sanitize_build:-}" ] || kill -- -"$sanitize_build" 2>/dev/null || true' EXIT
 PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}" "$python" -m pytest tests/python -q -rs -p no:cacheprovider "$@"
 stage
 
-# The same C++ under ASan + UBSan: ctest, pytest and a bounded fuzz run
-# (skip with FUSEDMHA_SANITIZE_RUN=0).
-if [ "${FUSEDMHA_SANITIZE_RUN:-1}" != 0 ]; then
-  bash tests/sanitize.sh "$@"
+# The same C++ under ASan + UBSan: ctest and a bounded fuzz run (skip with
+# FUSEDMHA_SANITIZE_RUN=0).
+if [ "$sanitize" != 0 ]; then
+  stage "sanitizer build (what is left)"
+  if ! wait "$sanitize_build"; then
+    cat "$sanitize_log"
+    echo "tests/run.sh: the sanitizer build failed (log above: $sanitize_log)" >&2
+    exit 1
+  fi
+  sanitize_build=""
+  tail -n 2 "$sanitize_log"
+  stage
+  bash tests/sanitize.sh --tests-only "$@"
 fi

@@ -22,10 +22,18 @@
 #   bash tests/sanitize.sh
 #   FUSEDMHA_SANITIZE_PYTEST=1 bash tests/sanitize.sh [pytest args]   # + pytest
 #   FUSEDMHA_FUZZ_CALLS=20000 FUSEDMHA_FUZZ_SEED=1 bash tests/sanitize.sh   # a longer fuzz run
+#   bash tests/sanitize.sh --build-only | --tests-only [pytest args]  # one half
 #
-# Called by tests/run.sh. Needs gcc's libasan/libubsan (tests/install_deps.sh).
+# Called by tests/run.sh (the build in the background while the ordinary
+# tests run, then the tests). Needs gcc's libasan/libubsan
+# (tests/install_deps.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+step=all
+case "${1:-}" in
+  --build-only) step=build; shift ;;
+  --tests-only) step=tests; shift ;;
+esac
 root=$(pwd)
 build="${FUSEDMHA_SANITIZE_BUILD_DIR:-$root/build/sanitize}"
 python=${PYTHON:-python3}
@@ -39,6 +47,7 @@ if [ "${FUSEDMHA_SANITIZE_ALL_ISAS:-0}" != 1 ]; then
 print('AVX512' if 'AVX512' in c else 'AVX2' if 'AVX2' in c else 'DEFAULT')")
 fi
 
+if [ "$step" != tests ]; then
 stage "sanitizer build (CPU ISAs up to $isa_max)"
 cmake -S . -B "$build" -G Ninja \
   -DCMAKE_BUILD_TYPE=Release \
@@ -57,6 +66,11 @@ find python/fusedmha -name '*.py' ! -name _build_config.py | while read -r f; do
   mkdir -p "$package/$(dirname "${f#python/}")"
   cp "$f" "$package/${f#python/}"
 done
+fi
+if [ "$step" = build ]; then
+  stage
+  exit 0
+fi
 
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 stage "sanitized C++ tests (ctest)"

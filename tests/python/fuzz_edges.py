@@ -72,10 +72,10 @@ def draw_edge_mask(rng, g, full, dtype):
     mask_dtype = torch.bool if kind == "bool" else dtype if kind == "float" else torch.float32
     if kind == "float32" and dtype == torch.float64:
         mask_dtype = torch.float64  # (a float mask of higher precision than the query is refused)
-    keep = rng.randint(max(0, min(2, len(full)) - 0), len(full)) if len(full) > 2 else len(full)
+    keep = rng.randint(2, len(full))  # (the trailing dims kept: (L, S) at least)
     shape = [s if rng.random() < 0.6 else 1 for s in full[len(full) - keep:]]
-    if len(shape) < 2 or rng.random() < 0.2:
-        shape = shape[-2:] if len(shape) >= 2 else list(full[-2:])
+    if rng.random() < 0.2:  # (L, S) in full now and then: the most common mask
+        shape = list(full[-2:])
     layout = rng.choice(["contiguous", "contiguous", "strided", "transposed", "expanded"])
     if layout == "strided":
         wide = mask_values(shape[:-1] + [2 * shape[-1]], kind, mask_dtype, rng, g)
@@ -206,34 +206,55 @@ def gen_edge_attention_backward(rng, g, seed):
 # --------------------------------------------------------------------------------------
 
 def gen_edge_flash(rng, g, seed):
+    """flash_attn_func, or its packed forms (kv as (B, S, 2, H_kv, E), qkv as (B, L, 3, H, E)),
+    with the log-sum-exp and probabilities returned now and then."""
     entry = "flash_attn_func"
     dtype = rng.choice([torch.float32, torch.float64, torch.bfloat16])
     B, h_kv, L, S = edge(rng), edge(rng, (2, 3)), edge(rng, (2, 7, 40)), edge(rng, (2, 7, 40))
     h = h_kv * (rng.choice([1, 2]) if h_kv else 1)
     E = edge(rng, (2, 8, 64))
+    packing = rng.choice(["none", "none", "kv"] + (["qkv"] if L == S and h == h_kv else []))
     q, k, v = (fa.randn(s, dtype, g) for s in ([B, L, h, E], [B, S, h_kv, E], [B, S, h_kv, E]))
     kw = {}
     if rng.random() < 0.4:
         kw["causal"] = True
     if rng.random() < 0.2:
         kw["window_size"] = (rng.choice([-1, 0, 3]), rng.choice([-1, 0, 2]))
+    if rng.random() < 0.3:
+        kw["return_attn_probs"] = True
     grads = rng.random() < 0.4
 
     def call():
-        xs = [x.detach().requires_grad_(grads) for x in (q, k, v)]
-        out = fusedmha.flash_attn_func(*xs, **kw)
-        gs = torch.autograd.grad(out, xs, torch.ones_like(out)) if grads else None
-        return out, gs
+        if packing == "qkv":
+            qkv = torch.stack([q, k, v], dim=2).requires_grad_(grads)
+            result = fusedmha.flash_attn_qkvpacked_func(qkv, **kw)
+            leaves = [qkv]
+        elif packing == "kv":
+            q_, kv = q.detach().requires_grad_(grads), torch.stack([k, v], dim=2).requires_grad_(grads)
+            result = fusedmha.flash_attn_kvpacked_func(q_, kv, **kw)
+            leaves = [q_, kv]
+        else:
+            leaves = [x.detach().requires_grad_(grads) for x in (q, k, v)]
+            result = fusedmha.flash_attn_func(*leaves, **kw)
+        out = result[0] if isinstance(result, tuple) else result
+        gs = torch.autograd.grad(out, leaves, torch.ones_like(out)) if grads else None
+        if gs is not None:  # (as q, k, v)
+            gs = gs[0].unbind(2) if packing == "qkv" else (gs[0], *gs[1].unbind(2)) if packing == "kv" else gs
+        return result, gs
 
     def check(result):
-        out, gs = result
+        result, gs = result
+        out = result[0] if isinstance(result, tuple) else result
         xs = fa.leaves64(q, k, v)
         window = kw.get("window_size", (-1, -1))
-        ref, _, _ = reference_variants(*(x.transpose(1, 2) for x in xs), is_causal=kw.get("causal", False),
-                                       enable_gqa=h != h_kv, window_left=window[0],
-                                       window_right=window[1], bottom_right=True)
+        ref, lse, probs = reference_variants(*(x.transpose(1, 2) for x in xs), is_causal=kw.get("causal", False),
+                                             enable_gqa=h != h_kv, window_left=window[0],
+                                             window_right=window[1], bottom_right=True)
         ref = ref.transpose(1, 2)
         fa.assert_close_to_truth(out, ref, floor=fa.FIXED_TOL[dtype])
+        if isinstance(result, tuple):
+            fa.check_logsumexp(result[1], lse, dtype)
+            fa.assert_close_to_truth(result[2], probs, floor=fa.FIXED_TOL[dtype], what="probabilities")
         if gs is not None:
             want = torch.autograd.grad(ref, xs, torch.ones_like(ref), allow_unused=True)
             for name, a, w, x in zip("qkv", gs, want, xs):
@@ -241,9 +262,9 @@ def gen_edge_flash(rng, g, seed):
                 fa.assert_close_to_truth(a, w, floor=fa.GRAD_FIXED_FACTOR * fa.FIXED_TOL[dtype],
                                          what=f"grad_{name}")
 
-    return fa.Case(entry, "edge", f"q={fa.describe(q)} k={fa.describe(k)} v={fa.describe(v)} "
-                   f"{fa.kwargs_text(kw)}{' +backward' if grads else ''}", call, check,
-                   tags=edge_tags(q, k, v))
+    return fa.Case(entry, "edge", f"{packing}-packed q={fa.describe(q)} k={fa.describe(k)} "
+                   f"v={fa.describe(v)} {fa.kwargs_text(kw)}{' +backward' if grads else ''}", call,
+                   check, tags=edge_tags(q, k, v))
 
 
 def gen_edge_varlen(rng, g, seed):

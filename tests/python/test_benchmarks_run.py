@@ -96,7 +96,7 @@ def test_probe_check_runs(tmp_path):
     assert any(r[:2] == ["read", "GB/s"] for r in rows), res.stdout
     for r in rows:
         ours, theirs, ratio = (float(x) for x in r[-3:])
-        assert ours > 0 and theirs > 0 and ratio == pytest.approx(ours / theirs, abs=2e-3), r
+        assert ours > 0 and theirs > 0 and ratio == pytest.approx(ours / theirs, rel=1e-2), r
 
 
 def test_varlen_benchmark_smoke_run():
