@@ -20,6 +20,7 @@ set(FUSEDMHA_SOURCES
   csrc/cpu/attention_weights.cpp
   csrc/cpu/dropout_mask.cpp
   csrc/cpu/isa.cpp
+  csrc/cpu/plan.cpp
   csrc/cpu/work_items.cpp
   csrc/cpu/fma_peak.cpp
   csrc/cpu/memory_read.cpp

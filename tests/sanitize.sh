@@ -3,7 +3,7 @@
 # library, its Python extension and the GoogleTest suite with
 # FUSEDMHA_SANITIZE=address,undefined (CPU kernels) into build/sanitize, then
 #  1. the C++ tests, with LeakSanitizer;
-#  2. a bounded fuzz run (tests/python/fuzz_attention.py), and
+#  2. a bounded fuzz run (tests/python/fuzz), and
 #  3. with FUSEDMHA_SANITIZE_PYTEST=1, the whole Python test suite (about
 #     three times its normal time: left out of CI, which must stay under 40
 #     minutes on 2 cores),
@@ -96,7 +96,7 @@ sanitized -c "import fusedmha, os; assert fusedmha.__file__.startswith('$package
 
 stage "sanitized fuzz run"
 # Seed 1: test_fuzz.py runs seed 0 in the ordinary build.
-sanitized "$root/tests/python/fuzz_attention.py" --quiet --strict \
+sanitized "$root/tests/python/fuzz" --quiet --strict \
   --calls "${FUSEDMHA_FUZZ_CALLS:-1500}" --seed "${FUSEDMHA_FUZZ_SEED:-1}"
 
 if [ "${FUSEDMHA_SANITIZE_PYTEST:-0}" = 1 ]; then

@@ -6,9 +6,9 @@
 // value as their argument with nothing copied to the device first.
 //
 // There is one struct per pass (forward, backward, weights); the host fills
-// them in one place (ops/attention_params_filler.h). A new parameter of the
-// call is one field here, one line in the filler, and the kernels that
-// read it.
+// them in one place (ops/attention_params_filler.h). What a new parameter of
+// the call touches from the op's schema to here: docs/architecture.md,
+// "Adding a parameter".
 
 #include "common/attention_types.h"
 #include "common/philox.h"
@@ -31,7 +31,9 @@ struct OuterShape {
 // col_stride]. A dim the tensor broadcasts has stride 0; a dim with fewer
 // entries than the output's (grouped-query heads) maps index i to i /
 // divisor. Transposed layouts (the (B, L, H, E) projection viewed as
-// (B, H, L, E)) are just other strides, so every input is read in place.
+// (B, H, L, E)) are just other strides, so the host copies no input for
+// its layout, except where a backend's row layout asks for one (RowLayout,
+// ops/attention_params_filler.h).
 struct Matrix {
   void* data = nullptr;  // const for inputs; the kernels write only outputs
   int64_t start = 0;     // element offset of matrix 0 (a packed sequence's first row)
@@ -345,6 +347,14 @@ FUSEDMHA_HOST_DEVICE BackwardParams sequence_of(const BackwardParams& bp, int64_
     skip_rows(s.grad_v, first);
   }
   return s;
+}
+
+// What only the CPU kernels read: key spans (found by the CPU host's mask
+// scan, ops/mask_structure.h) and dQ split into several copies. The CUDA
+// launchers refuse params that set them (csrc/cuda/attention_cuda.cpp).
+inline bool uses_cpu_only_fields(const AttentionParams& p) { return p.key_spans != nullptr; }
+inline bool uses_cpu_only_fields(const BackwardParams& bp) {
+  return uses_cpu_only_fields(bp.fwd) || bp.grad_q_splits != 1;
 }
 
 // The attention weights pass: the probabilities of the forward call

@@ -6,7 +6,7 @@
 // dropout mask without storing it. Plain C++, compiled for the host and, by
 // nvcc, for the device: the CUDA kernels call it as is, so CPU and CUDA drop
 // the same elements for the same (seed, offset). The CPU kernels use a
-// vectorised copy of the same rounds (cpu/attention_tiles.h), which tests
+// vectorised copy of the same rounds (cpu/dropout_lanes.h), which tests
 // check against this.
 
 #include <cstdint>
@@ -16,7 +16,8 @@
 #else
 // Always inlined: the CPU kernels are compiled once per ISA level, and an
 // out-of-line copy emitted by the AVX-512 objects could be the one the
-// linker keeps for baseline callers (tests/cpp checks that none is emitted).
+// linker keeps for baseline callers (cmake/CheckNoSharedSymbols.cmake, a
+// test of tests/cpp, checks that none is emitted).
 #define FUSEDMHA_HOST_DEVICE inline __attribute__((always_inline))
 #endif
 

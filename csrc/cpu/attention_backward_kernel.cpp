@@ -18,14 +18,12 @@
 // with the same register-blocked micro-kernels, accumulating in fp32 (fp64
 // for double).
 
-#include "cpu/attention_tiles.h"
+#include "cpu/kernel_scratch.h"
+#include "cpu/score_tiles.h"
 
 namespace fusedmha::cpu {
 namespace CPU_CAPABILITY {
 namespace {
-
-constexpr int64_t kBlockQ = 64;
-constexpr int64_t kMaxBlockKV = 128;
 
 // Scratch of one thread.
 template <typename acc_t>
@@ -79,7 +77,7 @@ template <typename scalar_t, typename acc_t>
 class BackwardKernel {
  public:
   using Vec = Vectorized<acc_t>;
-  using Tiles = TileReader<scalar_t, acc_t>;
+  using Tiles = ScoreTiles<scalar_t, acc_t>;
   static constexpr int64_t nr = panel_width<acc_t>();
   static constexpr int64_t w = Vec::size();
 
@@ -258,33 +256,10 @@ class BackwardKernel {
   BackwardWorkspace<acc_t> ws_;
 };
 
-template <typename acc_t>
-WorkSplit configure(BackwardParams& bp, int64_t threads) {
-  constexpr int64_t nr = panel_width<acc_t>();
-  const AttentionParams& p = bp.fwd;
-  WorkSplit split;
-  split.block_q = std::min(kBlockQ, round_up(std::max<int64_t>(p.len_q, 1), nr));
-  split.block_kv = paged_block(
-      p, band_block(p, work_block(p.len_kv, p.num_outer, threads, kMicroRows, kMaxBlockKV),
-                    kMicroRows));
-  // Enough sets of key blocks that every thread gets about two items; each
-  // set beyond the first costs a (len_q × E) slice of dQ per outer index,
-  // so with many outer indices there is one set (no extra memory).
-  const int64_t key_blocks = div_up(p.len_kv, split.block_kv);
-  bp.grad_q_splits = std::clamp<int64_t>(div_up(2 * threads, std::max<int64_t>(p.num_outer, 1)),
-                                         1, std::max<int64_t>(key_blocks, 1));
-  split.items = p.len_kv > 0 ? p.num_outer * bp.grad_q_splits : 0;
-  Arena<acc_t> counter(nullptr);
-  BackwardWorkspace<acc_t> sizing(bp, split, counter);
-  split.workspace_bytes = counter.bytes();
-  return split;
-}
-
 }  // namespace
 
-WorkSplit backward_configure(BackwardParams& bp, int64_t threads) {
-  return bp.fwd.dtype == DType::Float64 ? configure<double>(bp, threads)
-                                        : configure<float>(bp, threads);
+void backward_scratch(const BackwardParams& bp, WorkSplit& split) {
+  split.workspace_bytes = workspace_bytes<BackwardWorkspace>(bp.fwd.dtype, bp, split);
 }
 
 void backward_item(const BackwardParams& bp, const WorkSplit& split, int64_t item,

@@ -2,19 +2,19 @@
 // check, allocate, fill the params, draw the dropout stream, run the work
 // items on the threads.
 
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/DistributionsHelper.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <mutex>
+
 #include "cpu/isa_kernels.h"
 #include "cpu/work_items.h"
 #include "ops/attention_checks.h"
 #include "ops/attention_params_filler.h"
 #include "ops/attention_shapes.h"
-
-#include <ATen/CPUGeneratorImpl.h>
-#include <ATen/ops/empty.h>
-#include <ATen/core/DistributionsHelper.h>
-#include <torch/library.h>
-
-#include <algorithm>
-#include <mutex>
 
 namespace fusedmha::cpu {
 namespace {
@@ -40,12 +40,13 @@ DropoutParams draw_dropout(double dropout_p) {
 // The most query heads of a K/V head that the forward packs as rows of one
 // decoding item: the selected kernels' score tile.
 int64_t decode_rows(const at::Tensor& query) {
-  return selected_kernels().forward_decode_rows(query.scalar_type() == at::kDouble);
+  return selected_kernels().traits.decode_rows(query.scalar_type() == at::kDouble);
 }
 
 // Below this many scores per outer index, grouping the batch indices that
-// share a mask (batch_sharing_mask) gains nothing (Zen 4, float (1, H, L, S)
-// masks, E=64, grouped against not: L=S=128 and 256 0.97-1.00x, 384 1.05x).
+// share a mask (batch_sharing_mask) gains nothing: a tile read once for
+// several batch indices saves too little beside the items' fixed work
+// (docs/performance.md, "Batch indices sharing a mask").
 constexpr int64_t kMinBatchSharedMaskScores = 384 * 384;
 
 // The innermost outer dim, not the last, over which the mask repeats
@@ -55,9 +56,9 @@ constexpr int64_t kMinBatchSharedMaskScores = 384 * 384;
 // than its place in the dims: a dropout stream, sequences, pages or key
 // spans are drawn or looked up by it.
 int batch_sharing_mask(const AttentionParams& p, const WorkSplit& split) {
-  if (split.decode || split.heads != 1 || p.mask_kind == MaskKind::None ||
-      p.mask.row_stride == 0 || p.len_q * p.len_kv < kMinBatchSharedMaskScores ||
-      p.dropout.on() || p.seq.on() || p.pages.table || p.key_spans) {
+  if (split.decode || split.heads != 1 || p.mask_kind == MaskKind::None || p.mask.row_stride == 0 ||
+      p.len_q * p.len_kv < kMinBatchSharedMaskScores || p.dropout.on() || p.seq.on() ||
+      p.pages.table || p.key_spans) {
     return -1;
   }
   for (int d = p.outer.dims - 2; d >= 0; --d) {
@@ -87,28 +88,29 @@ void run_forward(AttentionParams p, double dropout_p, const at::Tensor& rng_stat
   if (p.num_outer == 0 || p.len_q == 0) return;
   if (draw) {
     p.dropout = draw_dropout(dropout_p);
-    // (Written in place, not as rng_state[i] = x: two ATen ops each, which
-    // cost a decoding step microseconds from cold caches.)
+    // (Written in place, not as rng_state[i] = x: two ATen ops each, whose
+    // dispatch is a noticeable part of a decoding step from cold caches;
+    // docs/performance.md, "A decoding call's fixed cost".)
     int64_t* state = rng_state.mutable_data_ptr<int64_t>();  // (2,) int64, contiguous
     state[0] = static_cast<int64_t>(p.dropout.seed);
     state[1] = static_cast<int64_t>(p.dropout.offset);
   }
   const IsaKernels kernels = selected_kernels();
-  WorkSplit split = kernels.forward_configure(p, available_threads());
+  WorkSplit split = kernels.forward_split(p, available_threads());
   // A mask the batch shares: with the batch dim last, the items take
   // several batch indices of one head, as they take the heads of a mask the
   // heads share, and read and transpose each of its tiles once for them.
   // Only the items' order changes, not what they compute: the outputs are
-  // the same to the bit. (Zen 4, float32, a (1, H, L, S) float mask, B=4,
-  // H=8, E=64: at L=S=1024 0.94-0.95 of the unmasked speed instead of 0.86,
-  // at 4096 0.92 instead of 0.87; with GQA over 2 K/V heads 1.07x.)
+  // the same to the bit (docs/performance.md, "Batch indices sharing a
+  // mask").
   if (const int d = batch_sharing_mask(p, split); d >= 0) {
     p = with_outer_dim_last(p, d);
-    split = kernels.forward_configure(p, available_threads());
+    split = kernels.forward_split(p, available_threads());
   }
   // Decoding's partial results: in the calling thread's kept buffer (an
-  // allocation per call cost a decoding step microseconds from cold caches),
-  // unless so large that no thread should keep them.
+  // allocation per call is a noticeable part of a decoding step from cold
+  // caches: docs/performance.md, "The arena and kept workspaces"), unless so
+  // large that no thread should keep them.
   at::Tensor partials;
   if (split.partial_bytes > kMostKeptPartialBytes) {
     partials = at::empty({static_cast<int64_t>(split.partial_bytes)}, at::kByte);
@@ -128,67 +130,49 @@ void run_forward(AttentionParams p, double dropout_p, const at::Tensor& rng_stat
   }
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cpu(
-    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-    const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
-    std::optional<double> scale, bool enable_gqa, int64_t window_left, int64_t window_right, bool bottom_right,
-    double softcap, const std::optional<at::Tensor>& alibi_slopes,
-    const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& dropout_state) {
-  const AttentionVariants variants{window_left, window_right, bottom_right, softcap,
-                                   alibi_slopes, sinks};
-  ops::check_attention_inputs(ops::kForwardOp, query, key, value, attn_mask, dropout_p, scale,
-                              enable_gqa, variants);
-  ops::check_dropout_state(ops::kForwardOp, dropout_state);
-  auto [out, lse, rng_state] = ops::allocate_attention_outputs(query, key, value, enable_gqa);
-  if (dropout_state.has_value()) rng_state = ops::returned_rng_state(rng_state, dropout_state);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cpu(const ops::ForwardArgs& a) {
+  ops::check_forward_inputs(ops::kForwardOp, a);
+  auto [out, lse, rng_state] = ops::allocate_attention_outputs(a.query, a.key, a.value,
+                                                               a.enable_gqa);
+  if (a.dropout_state.has_value()) rng_state = ops::returned_rng_state(rng_state, a.dropout_state);
   // No query rows: nothing to compute, and no mask to scan.
   if (lse.numel() == 0) return {out, lse, rng_state};
-  ops::AttentionCall call(ops::kForwardOp, query, key, value, attn_mask, is_causal, scale,
-                          enable_gqa, variants, dropout_p, ops::last_dim_contiguous,
-                          /*pack_query_heads=*/true, decode_rows(query));
+  ops::AttentionCall call(ops::kForwardOp, a, ops::last_dim_contiguous,
+                          /*pack_query_heads=*/true, decode_rows(a.query));
   AttentionParams p = call.forward(out, lse);
-  if (dropout_state.has_value()) p.dropout = call.replay_dropout(rng_state, dropout_p);
-  run_forward(p, dropout_p, rng_state, /*draw=*/!dropout_state.has_value());
+  if (a.dropout_state.has_value()) p.dropout = call.replay_dropout(rng_state, a.dropout_p);
+  run_forward(p, a.dropout_p, rng_state, /*draw=*/!a.dropout_state.has_value());
   return {out, lse, rng_state};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_forward_cpu(
-    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-    const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
-    int64_t max_seqlen_k, double dropout_p, bool is_causal, std::optional<double> scale,
-    int64_t window_left, int64_t window_right, bool bottom_right, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
-    const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& block_table) {
-  const AttentionVariants variants{window_left, window_right, bottom_right, softcap,
-                                   alibi_slopes, sinks};
-  ops::PackedBatch batch{cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
-                         block_table};
-  ops::check_varlen_inputs(ops::kVarlenForwardOp, query, key, value, batch, dropout_p, scale,
-                           variants);
+    const ops::VarlenForwardArgs& a) {
+  ops::check_varlen_forward_inputs(ops::kVarlenForwardOp, a);
   // The kernels sized by the longest sequences, not by max_seqlen_q/k, which
   // may bound them loosely (a cache's capacity, or a generous max): one
   // query per sequence under a max_seqlen_q of 4096 is still decoding, and
   // keys fewer than the bound leave no thread idle.
+  ops::PackedBatch batch = ops::packed_batch(a);
   std::tie(batch.max_seqlen_q, batch.max_seqlen_k) =
-      ops::check_packed_batch_values(ops::kVarlenForwardOp, batch, query.size(0), key);
+      ops::check_packed_batch_values(ops::kVarlenForwardOp, batch, a.query.size(0), a.key);
   // (Every row of a sequence is written by the kernel: where they start at
   // row 0, only the rows after the last are filled.)
-  const at::Tensor cu_q = cu_seqlens_q.contiguous();
+  const at::Tensor cu_q = a.cu_seqlens_q.contiguous();
   const int32_t* cu = cu_q.const_data_ptr<int32_t>();
   const std::optional<int64_t> covered =
       cu[0] == 0 ? std::optional<int64_t>(cu[cu_q.size(0) - 1]) : std::nullopt;
-  auto [out, lse, rng_state] = ops::allocate_varlen_outputs(query, value, covered);
-  ops::AttentionCall call(ops::kVarlenForwardOp, query, key, value, batch, is_causal, scale,
-                          variants, dropout_p, ops::last_dim_contiguous, decode_rows(query));
-  run_forward(call.forward(out, lse), dropout_p, rng_state);
+  auto [out, lse, rng_state] = ops::allocate_varlen_outputs(a.query, a.value, covered);
+  ops::AttentionCall call(ops::kVarlenForwardOp, a, batch, ops::last_dim_contiguous,
+                          decode_rows(a.query));
+  run_forward(call.forward(out, lse), a.dropout_p, rng_state);
   return {out, lse, rng_state};
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fusedmha, CPU, m) {
-  m.impl("attention_forward", TORCH_FN(attention_forward_cpu));
-  m.impl("varlen_attention_forward", TORCH_FN(varlen_attention_forward_cpu));
+  FUSEDMHA_OP_IMPL(m, attention_forward_cpu);
+  FUSEDMHA_OP_IMPL(m, varlen_attention_forward_cpu);
 }
 
 }  // namespace fusedmha::cpu

@@ -11,14 +11,12 @@
 // transposed, Sᵀ (keys × queries), as in the forward, so the same tile
 // reader, masks and dropout code apply.
 
-#include "cpu/attention_tiles.h"
+#include "cpu/kernel_scratch.h"
+#include "cpu/score_tiles.h"
 
 namespace fusedmha::cpu {
 namespace CPU_CAPABILITY {
 namespace {
-
-constexpr int64_t kMaxBlockQ = 128;
-constexpr int64_t kBlockKV = 64;
 
 // Scratch of one thread.
 template <typename acc_t>
@@ -82,7 +80,7 @@ class WeightsKernel {
   }
 
  private:
-  using Tiles = TileReader<scalar_t, acc_t>;
+  using Tiles = ScoreTiles<scalar_t, acc_t>;
 
   // acc += weight · P(o) over the tile (keys k0.., queries q0..).
   void add_head_tile(int64_t o, int64_t q0, int64_t rows, int64_t bq, int64_t k0, int64_t cols,
@@ -130,27 +128,10 @@ class WeightsKernel {
   int64_t packed_o_ = -1, packed_q0_ = -1;  // what ws_.qt and ws_.lse hold
 };
 
-template <typename acc_t>
-WorkSplit configure(const WeightsParams& wp, int64_t threads) {
-  constexpr int64_t nr = panel_width<acc_t>();
-  const AttentionParams& p = wp.fwd;
-  const int64_t matrices = p.num_outer / wp.heads_per_item;
-  WorkSplit split;
-  split.block_q = std::min(work_block(p.len_q, matrices, threads, nr, kMaxBlockQ),
-                           round_up(std::max<int64_t>(p.len_q, 1), nr));
-  split.block_kv = std::min(kBlockKV, std::max<int64_t>(p.len_kv, 1));
-  split.items = matrices * div_up(p.len_q, split.block_q);
-  Arena<acc_t> counter(nullptr);
-  WeightsWorkspace<acc_t> sizing(wp, split, counter);
-  split.workspace_bytes = counter.bytes();
-  return split;
-}
-
 }  // namespace
 
-WorkSplit weights_configure(const WeightsParams& wp, int64_t threads) {
-  return wp.fwd.dtype == DType::Float64 ? configure<double>(wp, threads)
-                                        : configure<float>(wp, threads);
+void weights_scratch(const WeightsParams& wp, WorkSplit& split) {
+  split.workspace_bytes = workspace_bytes<WeightsWorkspace>(wp.fwd.dtype, wp, split);
 }
 
 void weights_item(const WeightsParams& wp, const WorkSplit& split, int64_t item,

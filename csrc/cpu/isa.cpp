@@ -86,13 +86,11 @@ IsaLevel selected_isa() {
 }
 
 IsaKernels selected_kernels() {
-#define FUSEDMHA_KERNELS(LEVEL)                                                    \
-  IsaKernels {                                                                     \
-    LEVEL::forward_configure, LEVEL::forward_item, LEVEL::forward_combine,        \
-        LEVEL::forward_decode_rows,                                                \
-        LEVEL::backward_configure,                                                 \
-        LEVEL::backward_item, LEVEL::weights_configure, LEVEL::weights_item,     \
-        LEVEL::fma_chains                                                          \
+#define FUSEDMHA_KERNELS(LEVEL)                                                             \
+  IsaKernels {                                                                              \
+    LEVEL::kernel_traits(), LEVEL::forward_scratch, LEVEL::backward_scratch,                \
+        LEVEL::weights_scratch, LEVEL::forward_item, LEVEL::backward_item, LEVEL::weights_item, \
+        LEVEL::forward_combine, LEVEL::fma_chains                                           \
   }
   switch (selected_isa()) {
 #if FUSEDMHA_CPU_ISA_HIGHEST >= 2
@@ -122,22 +120,33 @@ int64_t cache_bytes(long sysconf_size, const char* sysfs_index, int64_t fallback
 
 }  // namespace
 
-int64_t l1d_cache_bytes() {
-#ifdef _SC_LEVEL1_DCACHE_SIZE
-  static const int64_t bytes = cache_bytes(sysconf(_SC_LEVEL1_DCACHE_SIZE), "index0", 32 << 10);
+CacheSizes this_cpu_caches() {
+#if defined(_SC_LEVEL1_DCACHE_SIZE) && defined(_SC_LEVEL2_CACHE_SIZE)
+  static const CacheSizes sizes{cache_bytes(sysconf(_SC_LEVEL1_DCACHE_SIZE), "index0", 32 << 10),
+                                cache_bytes(sysconf(_SC_LEVEL2_CACHE_SIZE), "index2", 1 << 20)};
 #else
-  static const int64_t bytes = cache_bytes(0, "index0", 32 << 10);
+  static const CacheSizes sizes{cache_bytes(0, "index0", 32 << 10),
+                                cache_bytes(0, "index2", 1 << 20)};
 #endif
-  return bytes;
+  return sizes;
 }
 
-int64_t l2_cache_bytes() {
-#ifdef _SC_LEVEL2_CACHE_SIZE
-  static const int64_t bytes = cache_bytes(sysconf(_SC_LEVEL2_CACHE_SIZE), "index2", 1 << 20);
-#else
-  static const int64_t bytes = cache_bytes(0, "index2", 1 << 20);
-#endif
-  return bytes;
+WorkSplit IsaKernels::forward_split(const AttentionParams& p, int64_t threads) const {
+  WorkSplit split = plan_forward(p, traits, this_cpu_caches(), threads);
+  forward_scratch(p, split);
+  return split;
+}
+
+WorkSplit IsaKernels::backward_split(BackwardParams& bp, int64_t threads) const {
+  WorkSplit split = plan_backward(bp, traits, threads);
+  backward_scratch(bp, split);
+  return split;
+}
+
+WorkSplit IsaKernels::weights_split(const WeightsParams& wp, int64_t threads) const {
+  WorkSplit split = plan_weights(wp, traits, threads);
+  weights_scratch(wp, split);
+  return split;
 }
 
 }  // namespace fusedmha::cpu

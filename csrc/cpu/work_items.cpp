@@ -41,7 +41,8 @@ class KeptBuffer {
 // The calling thread's kernel workspace, kept between calls: a fresh
 // allocation per call is mmap'd and zero-filled by the kernel page by page
 // (allocations this size sit near glibc's mmap threshold), which at short
-// sequences cost more than the attention itself. A kernel item never calls
+// sequences cost more than the attention itself (docs/performance.md, "The
+// arena and kept workspaces"). A kernel item never calls
 // run_items_in_parallel, so one buffer per thread is never used twice at
 // once.
 void* thread_workspace(size_t bytes) {

@@ -14,8 +14,9 @@ int64_t available_threads();
 // Memory the work items of one call share (such as decoding's partial
 // results, merged after them), 64-byte aligned: the calling thread's, kept
 // between calls and valid until this thread's next call_scratch (no kernel
-// item calls it). (An allocation per call cost a decoding step a few us
-// from cold caches.)
+// item calls it). (An allocation per call was a noticeable part of a
+// decoding step from cold caches: docs/performance.md, "The arena and kept
+// workspaces".)
 void* call_scratch(size_t bytes);
 
 // Runs items [0, n_items) on the intra-op threads, each thread with its own

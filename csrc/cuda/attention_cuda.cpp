@@ -1,23 +1,21 @@
-// CUDA kernels of fusedmha::attention_forward, attention_backward and
-// attention_weights: the same checks, allocation and params filler as the
-// CPU kernels (ops/), then a launch on the current stream.
+// CUDA kernels of fusedmha::attention_forward, attention_backward,
+// attention_weights and the varlen forward and backward: the same checks,
+// allocation and params filler as the CPU kernels (ops/), then a launch on
+// the current stream.
 //
 // Half-precision calls take the tensor-core kernels when the GPU and the
 // shapes allow it (sm_80+, head dims <= 256, shared memory), else, like
 // float32 and float64, the simple kernels. Nothing here synchronises with
-// the GPU or copies host data to it, so calls can be captured in CUDA graphs.
+// the GPU or copies host data to it, so calls can be captured in CUDA graphs,
+// except where a dropout stream is given rather than drawn (dropout_state,
+// or the rng_state the backward and the weights pass replay): a 4-element
+// one's row and column are read on the host, and one on the CPU is copied
+// to the device (AttentionCall::replay_dropout).
 //
-// Each wrapper opens like its CPU twin (csrc/cpu/attention_*.cpp): the op's
-// arguments handed to the shared checks and params filler. Those lines are
-// the op's signature, not logic; what differs is the row layout and the
-// launch.
-
-#include "common/philox.h"
-#include "cuda/flash_config.h"
-#include "cuda/launchers.h"
-#include "ops/attention_checks.h"
-#include "ops/attention_params_filler.h"
-#include "ops/attention_shapes.h"
+// Each wrapper takes its op's record (ops/op_args.h) and shares the checks
+// and params filler with its CPU twin (csrc/cpu/attention_*.cpp); what
+// differs is the row layout and the launch. The launchers refuse params
+// with fields only the CPU kernels read (uses_cpu_only_fields).
 
 #include <ATen/Context.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -32,6 +30,13 @@
 #include <cstdint>
 #include <mutex>
 #include <vector>
+
+#include "common/philox.h"
+#include "cuda/flash_config.h"
+#include "cuda/launchers.h"
+#include "ops/attention_checks.h"
+#include "ops/attention_params_filler.h"
+#include "ops/attention_shapes.h"
 
 namespace fusedmha::cuda {
 namespace {
@@ -111,8 +116,8 @@ DropoutParams draw_dropout(double dropout_p) {
 }
 
 void check_launch(cudaError_t err, const char* what) {
-  TORCH_CHECK(err == cudaSuccess, "fusedmha: launching the CUDA ", what, " kernel failed: ",
-              cudaGetErrorString(err));
+  TORCH_CHECK(err == cudaSuccess, "fusedmha: launching the CUDA ", what,
+              " kernel failed: ", cudaGetErrorString(err));
 }
 
 // Shared memory the simple kernels need, checked before they are chosen.
@@ -123,7 +128,16 @@ void check_simple_smem(const at::Tensor& q, size_t need, const char* what) {
               " bytes of shared memory per block for the row accumulators, this GPU has ", have);
 }
 
+// The CUDA kernels read none of the params' CPU-only fields: a params
+// struct that sets one was filled for the wrong backend.
+template <typename Params>
+void check_for_cuda(const Params& params, const char* what) {
+  TORCH_INTERNAL_ASSERT(!uses_cpu_only_fields(params), "fusedmha (CUDA ", what,
+                        "): params set fields only the CPU kernels read");
+}
+
 void launch_forward(const at::Tensor& query, const AttentionParams& p, bool tensor_cores) {
+  check_for_cuda(p, "forward");
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   if (tensor_cores) {
     check_launch(flash_forward(p, stream), "forward (tensor cores)");
@@ -134,6 +148,7 @@ void launch_forward(const at::Tensor& query, const AttentionParams& p, bool tens
 }
 
 void launch_backward(const at::Tensor& query, const BackwardParams& bp, bool tensor_cores) {
+  check_for_cuda(bp, "backward");
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   if (tensor_cores) {
     check_launch(flash_backward(bp, stream), "backward (tensor cores)");
@@ -143,164 +158,103 @@ void launch_backward(const at::Tensor& query, const BackwardParams& bp, bool ten
   }
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(
-    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-    const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
-    std::optional<double> scale, bool enable_gqa, int64_t window_left, int64_t window_right, bool bottom_right,
-    double softcap, const std::optional<at::Tensor>& alibi_slopes,
-    const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& dropout_state) {
-  const AttentionVariants variants{window_left, window_right, bottom_right, softcap,
-                                   alibi_slopes, sinks};
-  ops::check_attention_inputs(ops::kForwardOp, query, key, value, attn_mask, dropout_p, scale,
-                              enable_gqa, variants);
-  ops::check_dropout_state(ops::kForwardOp, dropout_state);
-  const c10::cuda::CUDAGuard guard(query.device());
-  auto [out, lse, rng_state] = ops::allocate_attention_outputs(query, key, value, enable_gqa);
-  const bool tensor_cores = use_tensor_cores(query, value, /*backward=*/false);
-  ops::AttentionCall call(ops::kForwardOp, query, key, value, attn_mask, is_causal, scale,
-                          enable_gqa, variants, dropout_p, row_layout(tensor_cores));
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(const ops::ForwardArgs& a) {
+  ops::check_forward_inputs(ops::kForwardOp, a);
+  const c10::cuda::CUDAGuard guard(a.query.device());
+  auto [out, lse, rng_state] = ops::allocate_attention_outputs(a.query, a.key, a.value,
+                                                               a.enable_gqa);
+  const bool tensor_cores = use_tensor_cores(a.query, a.value, /*backward=*/false);
+  ops::AttentionCall call(ops::kForwardOp, a, row_layout(tensor_cores));
   AttentionParams p = call.forward(out, lse);
   check_launch_size(p);
-  if (p.num_outer * p.len_q == 0) {
-    if (dropout_state.has_value()) return {out, lse, ops::returned_rng_state(rng_state, dropout_state)};
-    rng_state.zero_();  // (no kernel runs to write it)
-    return {out, lse, rng_state};
-  }
-  if (dropout_state.has_value()) {  // a given stream (read on the device), returned as is
-    rng_state = ops::returned_rng_state(rng_state, dropout_state);
-    p.dropout = call.replay_dropout(rng_state, dropout_p);
+  if (a.dropout_state.has_value()) {  // a given stream (read on the device), returned as is
+    rng_state = ops::returned_rng_state(rng_state, a.dropout_state);
+    if (p.num_outer * p.len_q == 0) return {out, lse, rng_state};
+    p.dropout = call.replay_dropout(rng_state, a.dropout_p);
   } else {
-    p.dropout = draw_dropout(dropout_p);
+    if (p.num_outer * p.len_q == 0) return {out, lse, rng_state.zero_()};  // (no kernel writes it)
+    p.dropout = draw_dropout(a.dropout_p);
     p.dropout.state_out = rng_state.mutable_data_ptr<int64_t>();
   }
-  launch_forward(query, p, tensor_cores);
+  launch_forward(a.query, p, tensor_cores);
   return {out, lse, rng_state};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
-    const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
-    const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
-    const at::Tensor& rng_state, const std::optional<at::Tensor>& attn_mask, double dropout_p,
-    bool is_causal, std::optional<double> scale, bool enable_gqa, int64_t window_left, int64_t window_right, bool bottom_right,
-    double softcap, const std::optional<at::Tensor>& alibi_slopes,
-    const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& grad_logsumexp) {
-  const AttentionVariants variants{window_left, window_right, bottom_right, softcap,
-                                   alibi_slopes, sinks};
-  ops::check_attention_backward_inputs(ops::kBackwardOp, grad_out, query, key, value, out,
-                                       logsumexp, rng_state, attn_mask, dropout_p, scale,
-                                       enable_gqa, variants, grad_logsumexp);
-  const c10::cuda::CUDAGuard guard(query.device());
-  const bool tensor_cores = use_tensor_cores_in_backward(query, value);
-  ops::AttentionCall call(ops::kBackwardOp, query, key, value, attn_mask, is_causal, scale,
-                          enable_gqa, variants, dropout_p, row_layout(tensor_cores));
-  BackwardParams bp = call.backward(grad_out, out, logsumexp, rng_state, dropout_p);
+// The backward's launch for call's params bp: D computed with ATen ops, dQ
+// one slice (the tensor-core backward sums into it with atomics, the simple
+// one writes each row once), dK and dV zeroed where no kernel runs.
+ops::DenseGradients run_backward(ops::AttentionCall& call, BackwardParams bp,
+                                 const at::Tensor& grad_out, const at::Tensor& out,
+                                 const std::optional<at::Tensor>& grad_logsumexp,
+                                 const at::Tensor& query, bool tensor_cores) {
   check_launch_size(bp.fwd);
   call.compute_delta(bp, grad_out, out, grad_logsumexp);
-  // One dQ slice: the tensor-core backward sums into it with atomics, the
-  // simple one writes each row once.
   const ops::DenseGradients grads = call.allocate_gradients(bp);
-
-  const AttentionParams& p = bp.fwd;
-  if (p.num_outer * p.len_kv > 0 && p.len_q > 0) {
+  if (bp.fwd.num_outer * bp.fwd.len_kv > 0 && bp.fwd.len_q > 0) {
     launch_backward(query, bp, tensor_cores);
   } else {
     grads.k.zero_();
     grads.v.zero_();
   }
-  return grads.reduced_to(query, key, value);
+  return grads;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(const ops::BackwardArgs& a) {
+  ops::check_backward_inputs(ops::kBackwardOp, a);
+  const c10::cuda::CUDAGuard guard(a.query.device());
+  const bool tensor_cores = use_tensor_cores_in_backward(a.query, a.value);
+  ops::AttentionCall call(ops::kBackwardOp, a, row_layout(tensor_cores));
+  const BackwardParams bp = call.backward(a.grad_out, a.out, a.logsumexp, a.rng_state, a.dropout_p);
+  return run_backward(call, bp, a.grad_out, a.out, a.grad_logsumexp, a.query, tensor_cores)
+      .reduced_to(a.query, a.key, a.value);
 }
 
 // A packed batch's lengths are not read on the host (that would wait for
 // the GPU): the kernels trust max_seqlen_q/k to bound them, as
 // FlashAttention's do.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_forward_cuda(
-    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-    const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
-    int64_t max_seqlen_k, double dropout_p, bool is_causal, std::optional<double> scale,
-    int64_t window_left, int64_t window_right, bool bottom_right, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
-    const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& block_table) {
-  const AttentionVariants variants{window_left, window_right, bottom_right, softcap,
-                                   alibi_slopes, sinks};
-  const ops::PackedBatch batch{cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
-                               block_table};
-  ops::check_varlen_inputs(ops::kVarlenForwardOp, query, key, value, batch, dropout_p, scale,
-                           variants);
-  const c10::cuda::CUDAGuard guard(query.device());
-  auto [out, lse, rng_state] = ops::allocate_varlen_outputs(query, value);
+    const ops::VarlenForwardArgs& a) {
+  ops::check_varlen_forward_inputs(ops::kVarlenForwardOp, a);
+  const c10::cuda::CUDAGuard guard(a.query.device());
+  auto [out, lse, rng_state] = ops::allocate_varlen_outputs(a.query, a.value);
   // (Paged caches take the simple kernels, which find every key row through
   // the block table; the tensor-core tiles load rows from one base.)
   const bool tensor_cores =
-      use_tensor_cores(query, value, /*backward=*/false) && !block_table.has_value();
-  ops::AttentionCall call(ops::kVarlenForwardOp, query, key, value, batch, is_causal, scale,
-                          variants, dropout_p, row_layout(tensor_cores));
+      use_tensor_cores(a.query, a.value, /*backward=*/false) && !a.block_table.has_value();
+  ops::AttentionCall call(ops::kVarlenForwardOp, a, ops::packed_batch(a), row_layout(tensor_cores));
   AttentionParams p = call.forward(out, lse);
   check_launch_size(p);
   if (p.num_outer * p.len_q == 0) return {out, lse, rng_state};
-  p.dropout = draw_dropout(dropout_p);
+  p.dropout = draw_dropout(a.dropout_p);
   p.dropout.state_out = rng_state.mutable_data_ptr<int64_t>();
-  launch_forward(query, p, tensor_cores);
+  launch_forward(a.query, p, tensor_cores);
   return {out, lse, rng_state};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward_cuda(
-    const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
-    const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
-    const at::Tensor& rng_state, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
-    int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p, bool is_causal,
-    std::optional<double> scale, int64_t window_left, int64_t window_right, bool bottom_right,
-    double softcap, const std::optional<at::Tensor>& alibi_slopes,
-    const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& seqused_k,
-    const std::optional<at::Tensor>& grad_logsumexp) {
-  const AttentionVariants variants{window_left, window_right, bottom_right, softcap,
-                                   alibi_slopes, sinks};
-  const ops::PackedBatch batch{cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k};
-  ops::check_varlen_backward_inputs(ops::kVarlenBackwardOp, grad_out, query, key, value, out,
-                                    logsumexp, rng_state, batch, dropout_p, scale, variants,
-                                    grad_logsumexp);
-  const c10::cuda::CUDAGuard guard(query.device());
-  const bool tensor_cores = use_tensor_cores_in_backward(query, value);
-  ops::AttentionCall call(ops::kVarlenBackwardOp, query, key, value, batch, is_causal, scale,
-                          variants, dropout_p, row_layout(tensor_cores));
-  BackwardParams bp = call.backward(grad_out, out, logsumexp, rng_state, dropout_p);
-  check_launch_size(bp.fwd);
-  call.compute_delta(bp, grad_out, out, grad_logsumexp);
-  const ops::DenseGradients grads = call.allocate_gradients(bp);  // zeroed
-  if (bp.fwd.num_outer * bp.fwd.len_kv > 0 && bp.fwd.len_q > 0) {
-    launch_backward(query, bp, tensor_cores);
-  }
-  return grads.reduced_to(query, key, value);
+    const ops::VarlenBackwardArgs& a) {
+  ops::check_varlen_backward_inputs(ops::kVarlenBackwardOp, a);
+  const c10::cuda::CUDAGuard guard(a.query.device());
+  const bool tensor_cores = use_tensor_cores_in_backward(a.query, a.value);
+  ops::AttentionCall call(ops::kVarlenBackwardOp, a, ops::packed_batch(a),
+                          row_layout(tensor_cores));
+  const BackwardParams bp = call.backward(a.grad_out, a.out, a.logsumexp, a.rng_state, a.dropout_p);
+  return run_backward(call, bp, a.grad_out, a.out, a.grad_logsumexp, a.query, tensor_cores)
+      .reduced_to(a.query, a.key, a.value);
 }
 
 // The weights pass always takes the simple kernel: it writes the whole
 // (L, S) matrix, so it is memory bound either way.
-at::Tensor attention_weights_cuda(const at::Tensor& query, const at::Tensor& key,
-                                  const at::Tensor& logsumexp, const at::Tensor& rng_state,
-                                  const std::optional<at::Tensor>& attn_mask, double dropout_p,
-                                  bool is_causal, std::optional<double> scale, bool enable_gqa,
-                                  bool average_heads, int64_t window_left, int64_t window_right, bool bottom_right,
-    double softcap, const std::optional<at::Tensor>& alibi_slopes,
-    const std::optional<at::Tensor>& sinks) {
-  const AttentionVariants variants{window_left, window_right, bottom_right, softcap,
-                                   alibi_slopes, sinks};
-  ops::check_attention_weights_inputs(ops::kWeightsOp, query, key, logsumexp, rng_state,
-                                      attn_mask, dropout_p, scale, enable_gqa, variants);
-  const c10::cuda::CUDAGuard guard(query.device());
-  at::Tensor weights = ops::allocate_attention_weights(query, key, enable_gqa, average_heads);
-  if (weights.numel() == 0) return weights;
-  if (ops::attention_query_rows(ops::kWeightsOp, query, key, key, enable_gqa) == 0 ||
-      key.size(-2) == 0) {
-    // No query row or no key (or no head to average): no probability is
-    // positive, and no kernel would write them (an empty grid).
-    return weights.zero_();
-  }
-  // Key stands in for value: the weights never read values.
-  ops::AttentionCall call(ops::kWeightsOp, query, key, key, attn_mask, is_causal, scale,
-                          enable_gqa, variants, dropout_p, ops::last_dim_contiguous,
-                          /*pack_query_heads=*/false);
-  const WeightsParams wp = call.weights(logsumexp, rng_state, dropout_p, average_heads, weights);
+at::Tensor attention_weights_cuda(const ops::WeightsArgs& a) {
+  const c10::cuda::CUDAGuard guard(a.query.device());
+  auto [weights, positive] = ops::start_weights(a);
+  if (!positive) return weights;  // (and no kernel would write them: an empty grid)
+  ops::AttentionCall call(ops::kWeightsOp, a);
+  const WeightsParams wp =
+      call.weights(a.logsumexp, a.rng_state, a.dropout_p, a.average_heads, weights);
   check_launch_size(wp.fwd);
-  check_simple_smem(query, simple_weights_smem(wp), "attention weights");
+  check_for_cuda(wp.fwd, "attention weights");
+  check_simple_smem(a.query, simple_weights_smem(wp), "attention weights");
   check_launch(simple_weights(wp, at::cuda::getCurrentCUDAStream()), "attention weights");
   return weights;
 }
@@ -308,11 +262,11 @@ at::Tensor attention_weights_cuda(const at::Tensor& query, const at::Tensor& key
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fusedmha, CUDA, m) {
-  m.impl("attention_forward", TORCH_FN(attention_forward_cuda));
-  m.impl("attention_backward", TORCH_FN(attention_backward_cuda));
-  m.impl("attention_weights", TORCH_FN(attention_weights_cuda));
-  m.impl("varlen_attention_forward", TORCH_FN(varlen_attention_forward_cuda));
-  m.impl("varlen_attention_backward", TORCH_FN(varlen_attention_backward_cuda));
+  FUSEDMHA_OP_IMPL(m, attention_forward_cuda);
+  FUSEDMHA_OP_IMPL(m, attention_backward_cuda);
+  FUSEDMHA_OP_IMPL(m, attention_weights_cuda);
+  FUSEDMHA_OP_IMPL(m, varlen_attention_forward_cuda);
+  FUSEDMHA_OP_IMPL(m, varlen_attention_backward_cuda);
 }
 
 }  // namespace fusedmha::cuda

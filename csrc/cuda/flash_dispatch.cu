@@ -1,6 +1,8 @@
 // Picks the tensor-core kernel instance (dtype, head-dim group) for a call.
-// The instances are compiled one per file (csrc/cuda/instances/), so this
-// file only references them.
+// The instances are compiled one per file, so that they build in parallel:
+// cmake/FusedMHASources.cmake writes them into the build tree
+// (cuda_instances/) from csrc/cuda/flash_instance.cu.in, and this file only
+// references them.
 
 #include "cuda/flash_config.h"
 #include "cuda/launchers.h"
@@ -10,7 +12,7 @@
 
 namespace fusedmha::cuda {
 
-// Defined (and explicitly instantiated) in instances/*.cu.
+// Defined (and explicitly instantiated) in the generated instance files.
 template <typename T, int D>
 cudaError_t run_flash_forward(const AttentionParams& p, cudaStream_t stream);
 template <typename T, int D>

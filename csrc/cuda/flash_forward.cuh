@@ -8,7 +8,8 @@
 // running output stay in registers; softmax is online, in base 2 (exp2),
 // with log2(e) applied after softcap and ALiBi. Key tiles outside the band
 // (causal, sliding window) are not visited; a sink starts the running max
-// and sum. Included by one flash_forward_<dtype>_<dim>.cu per variant.
+// and sum. Included by one instance file per dtype and head-dim group,
+// generated into the build tree from flash_instance.cu.in.
 
 #include "cuda/device_utils.cuh"
 #include "cuda/flash_config.h"

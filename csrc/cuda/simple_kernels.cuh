@@ -4,7 +4,9 @@
 // They run float32 and float64 attention (true fp32/fp64 arithmetic, no
 // tf32), the attention weights pass of every dtype, and half-precision
 // attention where the tensor-core kernels do not apply (head dims over
-// 256, GPUs before sm_80). Correct and readable rather than fast: the
+// 256, GPUs before sm_80, tiles that do not fit the shared memory, paged
+// caches, and the backward under torch.use_deterministic_algorithms:
+// attention_cuda.cpp). Correct and readable rather than fast: the
 // tensor-core kernels are the fast path.
 //
 // A warp walks the keys of its row one at a time: the 32 lanes split the

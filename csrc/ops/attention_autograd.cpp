@@ -3,14 +3,14 @@
 // (fusedmha::attention_backward) with its own kernels; the attention
 // weights' backward is composed of ATen ops (it is O(L·S) like the weights).
 
-#include "ops/attention_checks.h"
-#include "ops/attention_shapes.h"
-
-#include <fusedmha/attention.h>
-
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <fusedmha/attention.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
+
+#include "ops/attention_checks.h"
+#include "ops/op_args.h"
+#include "ops/attention_shapes.h"
 
 namespace fusedmha::ops {
 namespace {
@@ -18,9 +18,10 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// The arguments of an attention call besides its tensors q, k, v (and the
-// sinks, saved as a variable), kept for its backward.
-struct AttentionCall {
+// The arguments of an attention call besides its tensors q, k, v, kept for
+// its backward. (The Functions below also take the sinks on their own: autograd
+// differentiates only the tensors it is given as arguments.)
+struct SavedCall {
   std::optional<at::Tensor> attn_mask;
   double dropout_p;
   bool is_causal;
@@ -41,27 +42,16 @@ struct AttentionCall {
     ctx->saved_data["is_causal"] = is_causal;
     ctx->saved_data["scale"] = scale.has_value() ? c10::IValue(*scale) : c10::IValue();
     ctx->saved_data["enable_gqa"] = enable_gqa;
-    ctx->saved_data["window_left"] = variants.window_left;
-    ctx->saved_data["window_right"] = variants.window_right;
-    ctx->saved_data["bottom_right"] = variants.bottom_right;
-    ctx->saved_data["softcap"] = variants.softcap;
-    ctx->saved_data["alibi_slopes"] = optional(variants.alibi_slopes);
-    ctx->saved_data["sinks"] = optional(variants.sinks);
+    ctx->saved_data["variants"] = variants_ivalue(variants);
   }
 
-  static AttentionCall load(AutogradContext* ctx) {
+  static SavedCall load(AutogradContext* ctx) {
     const c10::IValue& scale = ctx->saved_data["scale"];
-    AttentionVariants v;
-    v.window_left = ctx->saved_data["window_left"].toInt();
-    v.window_right = ctx->saved_data["window_right"].toInt();
-    v.bottom_right = ctx->saved_data["bottom_right"].toBool();
-    v.softcap = ctx->saved_data["softcap"].toDouble();
-    v.alibi_slopes = optional_tensor(ctx->saved_data["alibi_slopes"]);
-    v.sinks = optional_tensor(ctx->saved_data["sinks"]);
     return {optional_tensor(ctx->saved_data["attn_mask"]), ctx->saved_data["dropout_p"].toDouble(),
             ctx->saved_data["is_causal"].toBool(),
             scale.isNone() ? std::nullopt : std::optional<double>(scale.toDouble()),
-            ctx->saved_data["enable_gqa"].toBool(), v};
+            ctx->saved_data["enable_gqa"].toBool(),
+            variants_from_ivalue(ctx->saved_data["variants"])};
   }
 };
 
@@ -71,8 +61,8 @@ struct AttentionCall {
 // For the output r = rowsum(dO ∘ O); for the weights r = rowsum(G ∘ W).
 at::Tensor sinks_gradient(const at::Tensor& sinks, const at::Tensor& lse,
                           const at::Tensor& row_terms) {
-  const at::Tensor sink = lse.dim() >= 2 ? sinks.to(lse.scalar_type()).unsqueeze(-1)
-                                         : sinks.to(lse.scalar_type());
+  const at::Tensor sink =
+      lse.dim() >= 2 ? sinks.to(lse.scalar_type()).unsqueeze(-1) : sinks.to(lse.scalar_type());
   const at::Tensor per_row = sink.sub(lse).exp().mul(row_terms).neg();
   const at::Tensor per_head = lse.dim() >= 2 ? per_row.sum(-1) : per_row.sum().reshape({1});
   return at::sum_to(per_head, sinks.sizes()).to(sinks.scalar_type());
@@ -80,29 +70,22 @@ at::Tensor sinks_gradient(const at::Tensor& sinks, const at::Tensor& lse,
 
 // Called before Function::apply, which runs forward with grad mode off.
 void check_mask_needs_no_grad(const char* op, const std::optional<at::Tensor>& attn_mask) {
-  TORCH_CHECK(!attn_mask.has_value() || !attn_mask->requires_grad() ||
-                  !at::GradMode::is_enabled(),
-              op, ": gradients with respect to a float "
+  TORCH_CHECK(!attn_mask.has_value() || !attn_mask->requires_grad() || !at::GradMode::is_enabled(),
+              op,
+              ": gradients with respect to a float "
               "attn_mask are not supported; pass attn_mask.detach()");
 }
 
 class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
  public:
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& query,
-                               const at::Tensor& key, const at::Tensor& value,
-                               const std::optional<at::Tensor>& attn_mask, double dropout_p,
-                               bool is_causal, std::optional<double> scale, bool enable_gqa,
-                               int64_t window_left, int64_t window_right, bool bottom_right,
-                               double softcap, const std::optional<at::Tensor>& alibi_slopes,
-                               const std::optional<at::Tensor>& sinks,
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& query, const at::Tensor& key,
+                               const at::Tensor& value, const SavedCall& call,
+                               const std::optional<at::Tensor>& /*sinks*/,
                                const std::optional<at::Tensor>& dropout_state) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    const AttentionCall call{attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                             {window_left, window_right, bottom_right, softcap, alibi_slopes,
-                              sinks}};
-    auto [out, lse, rng_state] =
-        fusedmha::attention_forward(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                                    enable_gqa, call.variants, dropout_state);
+    auto [out, lse, rng_state] = fusedmha::attention_forward(
+        query, key, value, call.attn_mask, call.dropout_p, call.is_causal, call.scale,
+        call.enable_gqa, call.variants, dropout_state);
     // The log-sum-exp is differentiable (a merge of partial results weighs by
     // it); the rng state is not.
     ctx->mark_non_differentiable({rng_state});
@@ -115,13 +98,13 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor& out = saved[3];
     const at::Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(out);
-    const AttentionCall call = AttentionCall::load(ctx);
+    const SavedCall call = SavedCall::load(ctx);
     const std::optional<at::Tensor> grad_lse =
         grads[1].defined() ? std::optional<at::Tensor>(grads[1]) : std::nullopt;
     auto [dq, dk, dv] = fusedmha::attention_backward(
         grad_out, saved[0], saved[1], saved[2], out, saved[4], saved[5], call.attn_mask,
         call.dropout_p, call.is_causal, call.scale, call.enable_gqa, call.variants, grad_lse);
-    variable_list result(15);
+    variable_list result(6);  // (query, key, value, call, sinks, dropout_state)
     result[0] = dq;
     result[1] = dk;
     result[2] = dv;
@@ -129,7 +112,7 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
       const auto acc = saved[4].scalar_type();
       at::Tensor row_terms = grad_out.to(acc).mul(out.to(acc)).sum(-1);
       if (grad_lse.has_value()) row_terms = row_terms.sub(grad_lse->to(acc));
-      result[13] = sinks_gradient(*call.variants.sinks, saved[4], row_terms);
+      result[4] = sinks_gradient(*call.variants.sinks, saved[4], row_terms);
     }
     return result;
   }
@@ -143,17 +126,12 @@ class AttentionBackwardFunction : public torch::autograd::Function<AttentionBack
                                const at::Tensor& query, const at::Tensor& key,
                                const at::Tensor& value, const at::Tensor& out,
                                const at::Tensor& logsumexp, const at::Tensor& rng_state,
-                               const std::optional<at::Tensor>& attn_mask, double dropout_p,
-                               bool is_causal, std::optional<double> scale, bool enable_gqa,
-                               int64_t window_left, int64_t window_right, bool bottom_right,
-                               double softcap, const std::optional<at::Tensor>& alibi_slopes,
-                               const std::optional<at::Tensor>& sinks,
+                               const SavedCall& call,
                                const std::optional<at::Tensor>& grad_logsumexp) {
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [dq, dk, dv] = fusedmha::attention_backward(
-        grad_out, query, key, value, out, logsumexp, rng_state, attn_mask, dropout_p, is_causal,
-        scale, enable_gqa, {window_left, window_right, bottom_right, softcap, alibi_slopes, sinks},
-        grad_logsumexp);
+        grad_out, query, key, value, out, logsumexp, rng_state, call.attn_mask, call.dropout_p,
+        call.is_causal, call.scale, call.enable_gqa, call.variants, grad_logsumexp);
     return {dq, dk, dv};
   }
 
@@ -172,22 +150,14 @@ class AttentionBackwardFunction : public torch::autograd::Function<AttentionBack
 // Jacobian already covers lse's dependence on query and key.
 class AttentionWeightsFunction : public torch::autograd::Function<AttentionWeightsFunction> {
  public:
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& query,
-                               const at::Tensor& key, const at::Tensor& logsumexp,
-                               const at::Tensor& rng_state,
-                               const std::optional<at::Tensor>& attn_mask, double dropout_p,
-                               bool is_causal, std::optional<double> scale, bool enable_gqa,
-                               bool average_heads, int64_t window_left, int64_t window_right,
-                               bool bottom_right, double softcap,
-                               const std::optional<at::Tensor>& alibi_slopes,
-                               const std::optional<at::Tensor>& sinks) {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& query, const at::Tensor& key,
+                               const at::Tensor& logsumexp, const at::Tensor& rng_state,
+                               const SavedCall& call, bool average_heads,
+                               const std::optional<at::Tensor>& /*sinks*/) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    const AttentionCall call{attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                             {window_left, window_right, bottom_right, softcap, alibi_slopes,
-                              sinks}};
-    at::Tensor weights =
-        fusedmha::attention_weights(query, key, logsumexp, rng_state, attn_mask, dropout_p,
-                                    is_causal, scale, enable_gqa, average_heads, call.variants);
+    at::Tensor weights = fusedmha::attention_weights(
+        query, key, logsumexp, rng_state, call.attn_mask, call.dropout_p, call.is_causal,
+        call.scale, call.enable_gqa, average_heads, call.variants);
     ctx->save_for_backward({query, key, logsumexp, rng_state});
     call.save(ctx);
     ctx->saved_data["average_heads"] = average_heads;
@@ -195,12 +165,12 @@ class AttentionWeightsFunction : public torch::autograd::Function<AttentionWeigh
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    variable_list result(16);
+    variable_list result(7);  // (query, key, logsumexp, rng_state, call, average_heads, sinks)
     if (!grads[0].defined()) return result;
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor &query = saved[0], &key = saved[1], &lse = saved[2];
     const auto acc = lse.scalar_type();
-    const AttentionCall call = AttentionCall::load(ctx);
+    const SavedCall call = SavedCall::load(ctx);
     // P and W recomputed from the inputs widened to lse's dtype (float for
     // half precision: the same scores), not in the input dtype: rounded to
     // bf16, each probability carried an error of up to 2^-9, and the
@@ -214,8 +184,8 @@ class AttentionWeightsFunction : public torch::autograd::Function<AttentionWeigh
     std::optional<at::Tensor> mask = call.attn_mask;
     if (mask.has_value() && at::isReducedFloatingType(mask->scalar_type())) mask = mask->to(acc);
     auto weights_per_head = [&](double dropout_p) {
-      return fusedmha::attention_weights(q, k_acc, lse, saved[3], mask, dropout_p,
-                                         call.is_causal, call.scale, call.enable_gqa,
+      return fusedmha::attention_weights(q, k_acc, lse, saved[3], mask, dropout_p, call.is_causal,
+                                         call.scale, call.enable_gqa,
                                          /*average_heads=*/false, call.variants);
     };
     const at::Tensor kept = weights_per_head(call.dropout_p);
@@ -242,7 +212,7 @@ class AttentionWeightsFunction : public torch::autograd::Function<AttentionWeigh
     result[0] = reduce_to_input(grad_scores.matmul(k), query);
     result[1] = reduce_to_input(grad_scores.transpose(-2, -1).matmul(q), key);
     if (call.variants.sinks.has_value()) {
-      result[15] = sinks_gradient(*call.variants.sinks, lse, row_sums.squeeze(-1));
+      result[6] = sinks_gradient(*call.variants.sinks, lse, row_sums.squeeze(-1));
     }
     return result;
   }
@@ -254,37 +224,27 @@ void save_packed_batch(AutogradContext* ctx, const PackedBatch& batch) {
   ctx->saved_data["cu_seqlens_k"] = batch.cu_seqlens_k;
   ctx->saved_data["max_seqlen_q"] = batch.max_seqlen_q;
   ctx->saved_data["max_seqlen_k"] = batch.max_seqlen_k;
-  ctx->saved_data["seqused_k"] = AttentionCall::optional(batch.seqused_k);
+  ctx->saved_data["seqused_k"] = SavedCall::optional(batch.seqused_k);
 }
 
 PackedBatch load_packed_batch(AutogradContext* ctx) {
   return {ctx->saved_data["cu_seqlens_q"].toTensor(), ctx->saved_data["cu_seqlens_k"].toTensor(),
           ctx->saved_data["max_seqlen_q"].toInt(), ctx->saved_data["max_seqlen_k"].toInt(),
-          AttentionCall::optional_tensor(ctx->saved_data["seqused_k"])};
+          SavedCall::optional_tensor(ctx->saved_data["seqused_k"])};
 }
 
 // varlen_attention_forward: as AttentionFunction, on a packed batch.
 class VarlenAttentionFunction : public torch::autograd::Function<VarlenAttentionFunction> {
  public:
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& query,
-                               const at::Tensor& key, const at::Tensor& value,
-                               const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
-                               int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p,
-                               bool is_causal, std::optional<double> scale, int64_t window_left,
-                               int64_t window_right, bool bottom_right, double softcap,
-                               const std::optional<at::Tensor>& alibi_slopes,
-                               const std::optional<at::Tensor>& sinks,
-                               const std::optional<at::Tensor>& seqused_k,
-                               const std::optional<at::Tensor>& block_table) {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& query, const at::Tensor& key,
+                               const at::Tensor& value, const PackedBatch& batch,
+                               const SavedCall& call, const std::optional<at::Tensor>& /*sinks*/) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    const AttentionCall call{std::nullopt, dropout_p, is_causal, scale, /*enable_gqa=*/true,
-                             {window_left, window_right, bottom_right, softcap, alibi_slopes,
-                              sinks}};
-    const PackedBatch batch{cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k};
     auto [out, lse, rng_state] = fusedmha::varlen_attention_forward(
-        query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-        is_causal, scale, call.variants, seqused_k, block_table);
-    ctx->saved_data["paged"] = block_table.has_value();
+        query, key, value, batch.cu_seqlens_q, batch.cu_seqlens_k, batch.max_seqlen_q,
+        batch.max_seqlen_k, call.dropout_p, call.is_causal, call.scale, call.variants,
+        batch.seqused_k, batch.block_table);
+    ctx->saved_data["paged"] = batch.block_table.has_value();
     ctx->mark_non_differentiable({rng_state});
     ctx->save_for_backward({query, key, value, out, lse, rng_state});
     call.save(ctx);
@@ -299,15 +259,15 @@ class VarlenAttentionFunction : public torch::autograd::Function<VarlenAttention
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor& out = saved[3];
     const at::Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(out);
-    const AttentionCall call = AttentionCall::load(ctx);
+    const SavedCall call = SavedCall::load(ctx);
     const PackedBatch batch = load_packed_batch(ctx);
     const std::optional<at::Tensor> grad_lse =
         grads[1].defined() ? std::optional<at::Tensor>(grads[1]) : std::nullopt;
     auto [dq, dk, dv] = fusedmha::varlen_attention_backward(
         grad_out, saved[0], saved[1], saved[2], out, saved[4], saved[5], batch.cu_seqlens_q,
-        batch.cu_seqlens_k, batch.max_seqlen_q, batch.max_seqlen_k, call.dropout_p,
-        call.is_causal, call.scale, call.variants, batch.seqused_k, grad_lse);
-    variable_list result(18);
+        batch.cu_seqlens_k, batch.max_seqlen_q, batch.max_seqlen_k, call.dropout_p, call.is_causal,
+        call.scale, call.variants, batch.seqused_k, grad_lse);
+    variable_list result(6);  // (query, key, value, batch, call, sinks)
     result[0] = dq;
     result[1] = dk;
     result[2] = dv;
@@ -316,7 +276,7 @@ class VarlenAttentionFunction : public torch::autograd::Function<VarlenAttention
       const auto acc = saved[4].scalar_type();
       at::Tensor row_terms = grad_out.to(acc).mul(out.to(acc)).sum(-1).t();
       if (grad_lse.has_value()) row_terms = row_terms.sub(grad_lse->to(acc));
-      result[15] = sinks_gradient(*call.variants.sinks, saved[4], row_terms);
+      result[5] = sinks_gradient(*call.variants.sinks, saved[4], row_terms);
     }
     return result;
   }
@@ -330,20 +290,13 @@ class VarlenBackwardFunction : public torch::autograd::Function<VarlenBackwardFu
                                const at::Tensor& query, const at::Tensor& key,
                                const at::Tensor& value, const at::Tensor& out,
                                const at::Tensor& logsumexp, const at::Tensor& rng_state,
-                               const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
-                               int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p,
-                               bool is_causal, std::optional<double> scale, int64_t window_left,
-                               int64_t window_right, bool bottom_right, double softcap,
-                               const std::optional<at::Tensor>& alibi_slopes,
-                               const std::optional<at::Tensor>& sinks,
-                               const std::optional<at::Tensor>& seqused_k,
+                               const PackedBatch& batch, const SavedCall& call,
                                const std::optional<at::Tensor>& grad_logsumexp) {
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [dq, dk, dv] = fusedmha::varlen_attention_backward(
-        grad_out, query, key, value, out, logsumexp, rng_state, cu_seqlens_q, cu_seqlens_k,
-        max_seqlen_q, max_seqlen_k, dropout_p, is_causal, scale,
-        {window_left, window_right, bottom_right, softcap, alibi_slopes, sinks}, seqused_k,
-        grad_logsumexp);
+        grad_out, query, key, value, out, logsumexp, rng_state, batch.cu_seqlens_q,
+        batch.cu_seqlens_k, batch.max_seqlen_q, batch.max_seqlen_k, call.dropout_p, call.is_causal,
+        call.scale, call.variants, batch.seqused_k, grad_logsumexp);
     return {dq, dk, dv};
   }
 
@@ -355,19 +308,20 @@ class VarlenBackwardFunction : public torch::autograd::Function<VarlenBackwardFu
 
 // Called before Function::apply: the slopes get no gradient.
 void check_slopes_need_no_grad(const char* op, const std::optional<at::Tensor>& alibi_slopes) {
-  TORCH_CHECK(!alibi_slopes.has_value() || !alibi_slopes->requires_grad() ||
-                  !at::GradMode::is_enabled(),
-              op, ": gradients with respect to alibi_slopes are not supported; pass "
-              "alibi_slopes.detach()");
+  TORCH_CHECK(
+      !alibi_slopes.has_value() || !alibi_slopes->requires_grad() || !at::GradMode::is_enabled(),
+      op,
+      ": gradients with respect to alibi_slopes are not supported; pass "
+      "alibi_slopes.detach()");
 }
 
 // Whether a call leaves autograd nothing to record: no input requires grad
 // (or grad mode is off) and none carries a forward-mode tangent (level 0, as
 // PyTorch's generated autograd code tests). Such calls (inference, every
 // flash_attn_with_kvcache step) run the op directly below autograd:
-// Function::apply's node, saved tensors and saved arguments cost ~40 us of a
-// decoding step that finds that code cold (one query over a 4096-key cache
-// takes ~2 ms).
+// Function::apply's node, saved tensors and saved arguments are work a
+// decoding step would pay for nothing, and more where it finds that code
+// cold (docs/performance.md, "A decoding call's fixed cost").
 bool records_nothing(std::initializer_list<const at::Tensor*> tensors,
                      std::initializer_list<const std::optional<at::Tensor>*> optional) {
   const bool grad_mode = at::GradMode::is_enabled();
@@ -383,104 +337,74 @@ bool records_nothing(std::initializer_list<const at::Tensor*> tensors,
   return true;
 }
 
-at::Tensor attention_weights_autograd(
-    const at::Tensor& query, const at::Tensor& key, const at::Tensor& logsumexp,
-    const at::Tensor& rng_state, const std::optional<at::Tensor>& attn_mask, double dropout_p,
-    bool is_causal, std::optional<double> scale, bool enable_gqa, bool average_heads,
-    int64_t window_left, int64_t window_right, bool bottom_right, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks) {
-  check_mask_needs_no_grad(kWeightsOp, attn_mask);
-  check_slopes_need_no_grad(kWeightsOp, alibi_slopes);
-  return AttentionWeightsFunction::apply(query, key, logsumexp, rng_state, attn_mask, dropout_p,
-                                         is_causal, scale, enable_gqa, average_heads,
-                                         window_left, window_right, bottom_right, softcap,
-                                         alibi_slopes, sinks)[0];
+at::Tensor attention_weights_autograd(const WeightsArgs& a) {
+  check_mask_needs_no_grad(kWeightsOp, a.attn_mask);
+  check_slopes_need_no_grad(kWeightsOp, a.variants.alibi_slopes);
+  const SavedCall call{a.attn_mask, a.dropout_p, a.is_causal, a.scale, a.enable_gqa, a.variants};
+  return AttentionWeightsFunction::apply(a.query, a.key, a.logsumexp, a.rng_state, call,
+                                         a.average_heads, a.variants.sinks)[0];
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_autograd(
-    const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
-    const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
-    const at::Tensor& rng_state, const std::optional<at::Tensor>& attn_mask, double dropout_p,
-    bool is_causal, std::optional<double> scale, bool enable_gqa, int64_t window_left,
-    int64_t window_right, bool bottom_right, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
-    const std::optional<at::Tensor>& grad_logsumexp) {
-  auto grads = AttentionBackwardFunction::apply(
-      grad_out, query, key, value, out, logsumexp, rng_state, attn_mask, dropout_p, is_causal,
-      scale, enable_gqa, window_left, window_right, bottom_right, softcap, alibi_slopes, sinks,
-      grad_logsumexp);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_autograd(const BackwardArgs& a) {
+  const SavedCall call{a.attn_mask, a.dropout_p, a.is_causal, a.scale, a.enable_gqa, a.variants};
+  auto grads = AttentionBackwardFunction::apply(a.grad_out, a.query, a.key, a.value, a.out,
+                                                a.logsumexp, a.rng_state, call, a.grad_logsumexp);
   return {grads[0], grads[1], grads[2]};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_autograd(
-    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-    const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
-    std::optional<double> scale, bool enable_gqa, int64_t window_left, int64_t window_right,
-    bool bottom_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
-    const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& dropout_state) {
-  check_mask_needs_no_grad(kForwardOp, attn_mask);
-  check_slopes_need_no_grad(kForwardOp, alibi_slopes);
-  if (records_nothing({&query, &key, &value}, {&attn_mask, &alibi_slopes, &sinks, &dropout_state})) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_autograd(const ForwardArgs& a) {
+  check_mask_needs_no_grad(kForwardOp, a.attn_mask);
+  check_slopes_need_no_grad(kForwardOp, a.variants.alibi_slopes);
+  if (records_nothing({&a.query, &a.key, &a.value}, {&a.attn_mask, &a.variants.alibi_slopes,
+                                                      &a.variants.sinks, &a.dropout_state})) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return fusedmha::attention_forward(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                                       enable_gqa,
-                                       {window_left, window_right, bottom_right, softcap,
-                                        alibi_slopes, sinks},
-                                       dropout_state);
+    return fusedmha::attention_forward(a.query, a.key, a.value, a.attn_mask, a.dropout_p,
+                                       a.is_causal, a.scale, a.enable_gqa, a.variants,
+                                       a.dropout_state);
   }
-  auto outputs = AttentionFunction::apply(query, key, value, attn_mask, dropout_p, is_causal,
-                                          scale, enable_gqa, window_left, window_right,
-                                          bottom_right, softcap, alibi_slopes, sinks, dropout_state);
+  const SavedCall call{a.attn_mask, a.dropout_p, a.is_causal, a.scale, a.enable_gqa, a.variants};
+  auto outputs = AttentionFunction::apply(a.query, a.key, a.value, call, a.variants.sinks,
+                                          a.dropout_state);
   return {outputs[0], outputs[1], outputs[2]};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_forward_autograd(
-    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-    const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
-    int64_t max_seqlen_k, double dropout_p, bool is_causal, std::optional<double> scale,
-    int64_t window_left, int64_t window_right, bool bottom_right, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
-    const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& block_table) {
-  check_slopes_need_no_grad(kVarlenForwardOp, alibi_slopes);
-  if (records_nothing({&query, &key, &value, &cu_seqlens_q, &cu_seqlens_k},
-                      {&alibi_slopes, &sinks, &seqused_k, &block_table})) {
+    const VarlenForwardArgs& a) {
+  check_slopes_need_no_grad(kVarlenForwardOp, a.variants.alibi_slopes);
+  const PackedBatch batch = packed_batch(a);
+  if (records_nothing({&a.query, &a.key, &a.value, &a.cu_seqlens_q, &a.cu_seqlens_k},
+                      {&a.variants.alibi_slopes, &a.variants.sinks, &a.seqused_k,
+                       &a.block_table})) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     return fusedmha::varlen_attention_forward(
-        query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-        is_causal, scale, {window_left, window_right, bottom_right, softcap, alibi_slopes, sinks},
-        seqused_k, block_table);
+        a.query, a.key, a.value, a.cu_seqlens_q, a.cu_seqlens_k, a.max_seqlen_q, a.max_seqlen_k,
+        a.dropout_p, a.is_causal, a.scale, a.variants, a.seqused_k, a.block_table);
   }
-  auto outputs = VarlenAttentionFunction::apply(
-      query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-      is_causal, scale, window_left, window_right, bottom_right, softcap, alibi_slopes, sinks,
-      seqused_k, block_table);
+  const SavedCall call{std::nullopt, a.dropout_p, a.is_causal, a.scale, /*enable_gqa=*/true,
+                       a.variants};
+  auto outputs =
+      VarlenAttentionFunction::apply(a.query, a.key, a.value, batch, call, a.variants.sinks);
   return {outputs[0], outputs[1], outputs[2]};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward_autograd(
-    const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
-    const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
-    const at::Tensor& rng_state, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
-    int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p, bool is_causal,
-    std::optional<double> scale, int64_t window_left, int64_t window_right, bool bottom_right,
-    double softcap, const std::optional<at::Tensor>& alibi_slopes,
-    const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& seqused_k,
-    const std::optional<at::Tensor>& grad_logsumexp) {
-  auto grads = VarlenBackwardFunction::apply(
-      grad_out, query, key, value, out, logsumexp, rng_state, cu_seqlens_q, cu_seqlens_k,
-      max_seqlen_q, max_seqlen_k, dropout_p, is_causal, scale, window_left, window_right,
-      bottom_right, softcap, alibi_slopes, sinks, seqused_k, grad_logsumexp);
+    const VarlenBackwardArgs& a) {
+  const SavedCall call{std::nullopt, a.dropout_p, a.is_causal, a.scale, /*enable_gqa=*/true,
+                       a.variants};
+  auto grads = VarlenBackwardFunction::apply(a.grad_out, a.query, a.key, a.value, a.out,
+                                             a.logsumexp, a.rng_state, packed_batch(a), call,
+                                             a.grad_logsumexp);
   return {grads[0], grads[1], grads[2]};
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fusedmha, Autograd, m) {
-  m.impl("varlen_attention_forward", TORCH_FN(varlen_attention_forward_autograd));
-  m.impl("varlen_attention_backward", TORCH_FN(varlen_attention_backward_autograd));
-  m.impl("attention_forward", TORCH_FN(attention_forward_autograd));
-  m.impl("attention_backward", TORCH_FN(attention_backward_autograd));
-  m.impl("attention_weights", TORCH_FN(attention_weights_autograd));
+  FUSEDMHA_OP_IMPL(m, attention_forward_autograd);
+  FUSEDMHA_OP_IMPL(m, attention_backward_autograd);
+  FUSEDMHA_OP_IMPL(m, attention_weights_autograd);
+  FUSEDMHA_OP_IMPL(m, varlen_attention_forward_autograd);
+  FUSEDMHA_OP_IMPL(m, varlen_attention_backward_autograd);
 }
 
 }  // namespace fusedmha::ops

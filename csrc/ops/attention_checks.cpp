@@ -105,7 +105,10 @@ bool mask_broadcasts_to(c10::SymIntArrayRef mask, c10::SymIntArrayRef target) {
   return true;
 }
 
-void check_attention_inputs(const char* op,
+// query (..., L, E), key (..., S, E), value (..., S, Ev): dtypes, devices,
+// matching dims, broadcastable batch/head dims (or GQA), attn_mask dtype and
+// shape, dropout_p in [0, 1), scale finite and >= 0, and the variants.
+static void check_attention_inputs(const char* op,
                             const at::Tensor& query,
                             const at::Tensor& key,
                             const at::Tensor& value,
@@ -161,20 +164,9 @@ void check_attention_inputs(const char* op,
   check_variants(op, query, outer, variants);
 }
 
-void check_attention_backward_inputs(const char* op,
-                                     const at::Tensor& grad_out,
-                                     const at::Tensor& query,
-                                     const at::Tensor& key,
-                                     const at::Tensor& value,
-                                     const at::Tensor& out,
-                                     const at::Tensor& logsumexp,
-                                     const at::Tensor& rng_state,
-                                     const std::optional<at::Tensor>& attn_mask,
-                                     double dropout_p,
-                                     std::optional<double> scale,
-                                     bool enable_gqa,
-                                     const AttentionVariants& variants,
-                                     const std::optional<at::Tensor>& grad_logsumexp) {
+void check_backward_inputs(const char* op, const BackwardArgs& a) {
+  const auto& [grad_out, query, key, value, out, logsumexp, rng_state, attn_mask, dropout_p,
+               is_causal, scale, enable_gqa, variants, grad_logsumexp] = a;
   check_attention_inputs(op, query, key, value, attn_mask, dropout_p, scale, enable_gqa,
                          variants);
   check_saved_state(op, query, key, value, logsumexp, rng_state, enable_gqa);
@@ -193,16 +185,9 @@ void check_attention_backward_inputs(const char* op,
 }
 
 
-void check_attention_weights_inputs(const char* op,
-                                    const at::Tensor& query,
-                                    const at::Tensor& key,
-                                    const at::Tensor& logsumexp,
-                                    const at::Tensor& rng_state,
-                                    const std::optional<at::Tensor>& attn_mask,
-                                    double dropout_p,
-                                            std::optional<double> scale,
-                                    bool enable_gqa,
-                                    const AttentionVariants& variants) {
+void check_weights_inputs(const char* op, const WeightsArgs& a) {
+  const auto& [query, key, logsumexp, rng_state, attn_mask, dropout_p, is_causal, scale,
+               enable_gqa, average_heads, variants] = a;
   check_attention_inputs(op, query, key, key, attn_mask, dropout_p, scale, enable_gqa, variants);
   check_saved_state(op, query, key, key, logsumexp, rng_state, enable_gqa);
 }
@@ -221,7 +206,8 @@ void check_lengths_tensor(const char* op, const char* name, const at::Tensor& t,
 
 }  // namespace
 
-void check_varlen_inputs(const char* op, const at::Tensor& query, const at::Tensor& key,
+// A packed batch's tensors, as check_varlen_forward_inputs says.
+static void check_packed_inputs(const char* op, const at::Tensor& query, const at::Tensor& key,
                          const at::Tensor& value, const PackedBatch& batch, double dropout_p,
                          std::optional<double> scale, const AttentionVariants& variants) {
   if (batch.block_table.has_value()) {
@@ -244,7 +230,7 @@ void check_varlen_inputs(const char* op, const at::Tensor& query, const at::Tens
                 table.device());
     PackedBatch rows = batch;
     rows.block_table.reset();
-    return check_varlen_inputs(op, query, quick_flatten_01(key), quick_flatten_01(value), rows,
+    return check_packed_inputs(op, query, quick_flatten_01(key), quick_flatten_01(value), rows,
                                dropout_p, scale, variants);
   }
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3, op,
@@ -283,14 +269,11 @@ void check_varlen_inputs(const char* op, const at::Tensor& query, const at::Tens
   }
 }
 
-void check_varlen_backward_inputs(const char* op, const at::Tensor& grad_out,
-                                  const at::Tensor& query, const at::Tensor& key,
-                                  const at::Tensor& value, const at::Tensor& out,
-                                  const at::Tensor& logsumexp, const at::Tensor& rng_state,
-                                  const PackedBatch& batch, double dropout_p,
-                                  std::optional<double> scale, const AttentionVariants& variants,
-                                  const std::optional<at::Tensor>& grad_logsumexp) {
-  check_varlen_inputs(op, query, key, value, batch, dropout_p, scale, variants);
+void check_varlen_backward_inputs(const char* op, const VarlenBackwardArgs& a) {
+  const auto& [grad_out, query, key, value, out, logsumexp, rng_state, cu_seqlens_q,
+               cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, is_causal, scale, variants,
+               seqused_k, grad_logsumexp] = a;
+  check_packed_inputs(op, query, key, value, packed_batch(a), dropout_p, scale, variants);
   TORCH_CHECK(rng_state.dim() == 1 && rng_state.sym_size(0) == 2 &&
                   rng_state.scalar_type() == at::kLong,
               op, ": expected rng_state as varlen_attention_forward returns it (int64 of shape "
@@ -316,11 +299,32 @@ void check_varlen_backward_inputs(const char* op, const at::Tensor& grad_out,
   }
 }
 
+void check_forward_inputs(const char* op, const ForwardArgs& a) {
+  check_attention_inputs(op, a.query, a.key, a.value, a.attn_mask, a.dropout_p, a.scale,
+                         a.enable_gqa, a.variants);
+  check_dropout_state(op, a.dropout_state);
+}
+
+PackedBatch packed_batch(const VarlenForwardArgs& a) {
+  return {a.cu_seqlens_q, a.cu_seqlens_k, a.max_seqlen_q, a.max_seqlen_k, a.seqused_k,
+          a.block_table};
+}
+
+PackedBatch packed_batch(const VarlenBackwardArgs& a) {
+  return {a.cu_seqlens_q, a.cu_seqlens_k, a.max_seqlen_q, a.max_seqlen_k, a.seqused_k};
+}
+
+void check_varlen_forward_inputs(const char* op, const VarlenForwardArgs& a) {
+  check_packed_inputs(op, a.query, a.key, a.value, packed_batch(a), a.dropout_p, a.scale,
+                      a.variants);
+}
+
 std::pair<int64_t, int64_t> check_packed_batch_values(const char* op, const PackedBatch& batch,
                                                       int64_t total_q, const at::Tensor& key) {
   // Read in place and checked in plain loops: a chain of ATen reductions
-  // and .item()s cost a few microseconds per op, tens of them per decoding
-  // step. (int32 on the CPU: check_varlen_inputs.)
+  // and .item()s is an op dispatched each, tens of them per decoding step
+  // (docs/performance.md, "A decoding call's fixed cost"). (int32 on the
+  // CPU: check_varlen_inputs.)
   const bool paged = batch.block_table.has_value();
   // Rows of k and v a sequence may reach: all of them, or with pages, as
   // many as its table row holds.

@@ -7,6 +7,7 @@
 // bad argument. Works on symbolic sizes, so the Meta kernels run it under
 // torch.compile.
 
+#include "ops/op_args.h"
 #include "ops/packed_batch.h"
 
 #include <fusedmha/attention.h>
@@ -33,7 +34,8 @@ void check_dropout_state(const char* op, const std::optional<at::Tensor>& dropou
 void check_dropout_position(const char* op, int64_t row, int64_t column);
 
 // The rng_state a forward call returns: the one it drew (allocated as
-// `drawn`), or dropout_state when given (a copy, on the CPU).
+// `drawn`), or dropout_state when given (a copy, on drawn's device: the
+// query's).
 at::Tensor returned_rng_state(const at::Tensor& drawn,
                               const std::optional<at::Tensor>& dropout_state);
 
@@ -47,73 +49,34 @@ void check_variants(const char* op, const at::Tensor& query,
 // of its trailing dims 1 or target's).
 bool mask_broadcasts_to(c10::SymIntArrayRef mask, c10::SymIntArrayRef target);
 
-// query (..., L, E), key (..., S, E), value (..., S, Ev): dtypes, devices,
-// matching dims, broadcastable batch/head dims (or GQA), attn_mask dtype and
-// shape, dropout_p in [0, 1), scale finite and >= 0, and the variants: window
-// bounds >= -1, softcap finite and >= 0, alibi_slopes (H) or (B, H) and sinks
-// (H), floating, on the query's device.
-void check_attention_inputs(const char* op,
-                            const at::Tensor& query,
-                            const at::Tensor& key,
-                            const at::Tensor& value,
-                            const std::optional<at::Tensor>& attn_mask,
-                            double dropout_p,
-                            std::optional<double> scale,
-                            bool enable_gqa,
-                            const AttentionVariants& variants);
+// The inputs of each op, as its record (ops/op_args.h) holds them:
+//  - forward: query (..., L, E), key (..., S, E), value (..., S, Ev): dtypes,
+//    devices, matching dims, broadcastable batch/head dims (or GQA),
+//    attn_mask dtype and shape, dropout_p in [0, 1), scale finite and >= 0,
+//    the variants (check_variants) and dropout_state;
+//  - backward: the forward's, plus grad_out and out of the forward output's
+//    shape and the query's dtype, logsumexp and rng_state as
+//    attention_forward returned them, grad_logsumexp (when given) of the
+//    logsumexp's shape;
+//  - weights: the forward's (key standing in for value), plus logsumexp and
+//    rng_state as attention_forward returned them;
+//  - varlen forward: a packed batch (ops/packed_batch.h), query (total_q, H,
+//    E), key (total_k, H_kv, E), value (total_k, H_kv, Ev), H a multiple of
+//    H_kv, dtypes and devices as the forward's; the lengths' dtypes, shapes
+//    and devices (not their values: see check_packed_batch_values);
+//    alibi_slopes (H) or (B, H);
+//  - varlen backward: the varlen forward's, plus grad_out and out (total_q,
+//    H, Ev), logsumexp (H, total_q) and rng_state as varlen_attention_forward
+//    returned them, grad_logsumexp of the logsumexp's shape.
+void check_forward_inputs(const char* op, const ForwardArgs& args);
+void check_backward_inputs(const char* op, const BackwardArgs& args);
+void check_weights_inputs(const char* op, const WeightsArgs& args);
+void check_varlen_forward_inputs(const char* op, const VarlenForwardArgs& args);
+void check_varlen_backward_inputs(const char* op, const VarlenBackwardArgs& args);
 
-// check_attention_inputs, plus: grad_out and out of the forward output's
-// shape and the query's dtype, logsumexp and rng_state as attention_forward
-// returned them, and grad_logsumexp (when given) of the logsumexp's shape.
-void check_attention_backward_inputs(const char* op,
-                                     const at::Tensor& grad_out,
-                                     const at::Tensor& query,
-                                     const at::Tensor& key,
-                                     const at::Tensor& value,
-                                     const at::Tensor& out,
-                                     const at::Tensor& logsumexp,
-                                     const at::Tensor& rng_state,
-                                     const std::optional<at::Tensor>& attn_mask,
-                                     double dropout_p,
-                                     std::optional<double> scale,
-                                     bool enable_gqa,
-                                     const AttentionVariants& variants,
-                                     const std::optional<at::Tensor>& grad_logsumexp);
-
-// For the weights pass: check_attention_inputs (key standing in for value),
-// plus logsumexp and rng_state as attention_forward returned them.
-void check_attention_weights_inputs(const char* op,
-                                    const at::Tensor& query,
-                                    const at::Tensor& key,
-                                    const at::Tensor& logsumexp,
-                                    const at::Tensor& rng_state,
-                                    const std::optional<at::Tensor>& attn_mask,
-                                    double dropout_p,
-                                    std::optional<double> scale,
-                                    bool enable_gqa,
-                                    const AttentionVariants& variants);
-
-// A packed batch (ops/packed_batch.h): query (total_q, H, E), key
-// (total_k, H_kv, E), value (total_k, H_kv, Ev), H a multiple of H_kv,
-// dtypes and devices as check_attention_inputs; the lengths' dtypes, shapes
-// and devices (not their values: see check_packed_batch_values);
-// dropout_p, scale and the variants as check_attention_inputs, with
-// alibi_slopes (H) or (B, H).
-void check_varlen_inputs(const char* op, const at::Tensor& query, const at::Tensor& key,
-                         const at::Tensor& value, const PackedBatch& batch, double dropout_p,
-                         std::optional<double> scale, const AttentionVariants& variants);
-
-// check_varlen_inputs, plus grad_out and out (total_q, H, Ev) of the
-// query's dtype, logsumexp (H, total_q) and rng_state as
-// varlen_attention_forward returned them, and grad_logsumexp (when given)
-// of the logsumexp's shape.
-void check_varlen_backward_inputs(const char* op, const at::Tensor& grad_out,
-                                  const at::Tensor& query, const at::Tensor& key,
-                                  const at::Tensor& value, const at::Tensor& out,
-                                  const at::Tensor& logsumexp, const at::Tensor& rng_state,
-                                  const PackedBatch& batch, double dropout_p,
-                                  std::optional<double> scale, const AttentionVariants& variants,
-                                  const std::optional<at::Tensor>& grad_logsumexp);
+// A varlen call's packed batch (its block_table: the forward's only).
+PackedBatch packed_batch(const VarlenForwardArgs& args);
+PackedBatch packed_batch(const VarlenBackwardArgs& args);
 
 // The values of a packed batch's lengths, where reading them costs nothing
 // (the CPU; on a GPU it would wait for the device): cumulative lengths

@@ -96,6 +96,17 @@ bool packs_query_heads(const at::Tensor& query, const at::Tensor& key, const Pac
   return true;
 }
 
+std::pair<at::Tensor, bool> start_weights(const WeightsArgs& a) {
+  check_weights_inputs(kWeightsOp, a);
+  at::Tensor weights = allocate_attention_weights(a.query, a.key, a.enable_gqa, a.average_heads);
+  if (weights.numel() == 0) return {weights, false};
+  if (attention_query_rows(kWeightsOp, a.query, a.key, a.key, a.enable_gqa) == 0 ||
+      a.key.size(-2) == 0) {
+    return {weights.zero_(), false};
+  }
+  return {weights, true};
+}
+
 AttentionCall::AttentionCall(const char* op, const at::Tensor& query, const at::Tensor& key,
                              const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
                              bool is_causal, std::optional<double> scale, bool enable_gqa,
@@ -125,9 +136,9 @@ AttentionCall::AttentionCall(const char* op, const at::Tensor& query, const at::
   set_variants(is_causal, scale, variants);
   if (attn_mask.has_value() && !use_mask_structure(*attn_mask)) {
     // (Packed heads with a mask per head: each head's mask row is a row of
-    // the item's tile, as the queries are. On Zen 4, one query per head over
-    // S=4096 with a (B, H, 1, S) float mask, caches flushed: 2x faster than
-    // each query head reading its K/V on its own.)
+    // the item's tile, as the queries are, so such a mask does not stop the
+    // query heads of a K/V head from sharing one read of its K/V:
+    // docs/performance.md, "Decode packing".)
     const bool per_head = attn_mask->dim() >= 3 && attn_mask->size(-3) > 1;
     p.mask = group_ > 1 && per_head ? describe_packed(*attn_mask) : describe(*attn_mask);
     p.mask_kind = mask_kind_of(*attn_mask, query);
@@ -216,6 +227,8 @@ void AttentionCall::set_variants(bool is_causal, std::optional<double> scale,
 
 bool AttentionCall::use_mask_structure(const at::Tensor& mask) {
   AttentionParams& p = inputs_;
+  // Key spans are a field of the CPU kernels only (uses_cpu_only_fields).
+  if (!query_.is_cpu()) return false;
   // (An empty call has no rows to scan, and no batch to split spans by.)
   if (p.num_outer == 0 || p.len_q == 0 || p.len_kv == 0) return false;
   // A band from the mask only where the call has none, and nothing else
@@ -243,8 +256,9 @@ bool AttentionCall::use_mask_structure(const at::Tensor& mask) {
 Matrix AttentionCall::describe_packed(const at::Tensor& t, bool as_column) const {
   // (..., H, 1, cols) read as (..., H_kv, G, cols), or with as_column t
   // (..., H, 1) as (..., H_kv, G, 1): sizes and strides only. (As views,
-  // five tensors made per call cost a decoding step 10-20 us from cold
-  // caches, 5-7% of one query over 512 keys on Zen 4.)
+  // the tensors made per call each went through the dispatcher, a
+  // noticeable part of a decoding step from cold caches:
+  // docs/performance.md, "A decoding call's fixed cost".)
   c10::SmallVector<int64_t, 8> sizes(t.sizes().begin(), t.sizes().end());
   c10::SmallVector<int64_t, 8> strides(t.strides().begin(), t.strides().end());
   if (as_column) sizes.push_back(1), strides.push_back(1);
@@ -360,7 +374,9 @@ DropoutParams AttentionCall::replay_dropout(const at::Tensor& rng_state, double 
     d.seed = static_cast<uint64_t>(state[0].item<int64_t>());
     d.offset = static_cast<uint64_t>(state[1].item<int64_t>());
   } else {
-    // Read where the kernel runs: the host never waits for the device.
+    // (seed, offset) read where the kernel runs, so the host does not wait
+    // for the device for them (a state on the CPU is copied there). The row
+    // and column of a 4-element state, read above, are host values.
     kept_.push_back(rng_state.to(query_.device()));
     d.state_in = kept_.back().const_data_ptr<int64_t>();
   }

@@ -5,6 +5,7 @@
 // alike, so a call is described to every backend the same way.
 
 #include "common/attention_params.h"
+#include "ops/op_args.h"
 #include "ops/packed_batch.h"
 
 #include <fusedmha/attention.h>
@@ -14,6 +15,7 @@
 #include <limits>
 #include <optional>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace fusedmha::ops {
@@ -50,9 +52,10 @@ struct DenseGradients {
 
 // Whether a call decodes with grouped-query heads in a way the kernels can
 // read as rows: one query row (L = 1), H = G·H_kv query heads with G > 1,
-// and nothing that tells those rows apart by position or head (no window, a
-// causal mask only if bottom-right (it then hides nothing), no ALiBi, sinks
-// or dropout; a mask per head is read as rows too). Then the G query heads
+// and nothing that tells those rows apart by position or head (no left
+// window, a causal mask or right window only if bottom-right (they then
+// hide nothing), no ALiBi, sinks or dropout; a mask per head is read as
+// rows too). Then the G query heads
 // that share a K/V head are G rows of one item (or G / G' items of G' rows,
 // where the backend caps the rows: AttentionCall's most_packed_rows): K/V
 // are read once per group, not once per head, and the score tiles are G
@@ -67,6 +70,11 @@ bool packs_query_heads(const at::Tensor& query, const at::Tensor& key, const at:
 // it would wait for the device).
 bool packs_query_heads(const at::Tensor& query, const at::Tensor& key, const PackedBatch& batch,
                        bool is_causal, const AttentionVariants& variants, double dropout_p);
+
+// The weights op's output on every backend, checked and allocated; false
+// where no probability is positive (no query row, no key, or no head to
+// average): it is then zeroed, and no kernel needs to run.
+std::pair<at::Tensor, bool> start_weights(const WeightsArgs& args);
 
 // One attention call described for the kernels (the inputs already checked).
 // It keeps alive every copy its row layout made, and the device copy of a
@@ -91,6 +99,28 @@ class AttentionCall {
                 std::optional<double> scale, const AttentionVariants& variants,
                 double dropout_p, RowLayout layout = last_dim_contiguous,
                 int64_t most_packed_rows = kAnyRows);
+
+  // The same from an op's record (ops/op_args.h): the forward's and the
+  // backward's inputs; the weights pass's (key standing in for value, no
+  // packed heads); a varlen call's, with its batch (whose lengths the
+  // caller may have tightened).
+  AttentionCall(const char* op, const ForwardArgs& a, RowLayout layout = last_dim_contiguous,
+                bool pack_query_heads = true, int64_t most_packed_rows = kAnyRows)
+      : AttentionCall(op, a.query, a.key, a.value, a.attn_mask, a.is_causal, a.scale,
+                      a.enable_gqa, a.variants, a.dropout_p, layout, pack_query_heads,
+                      most_packed_rows) {}
+  AttentionCall(const char* op, const BackwardArgs& a, RowLayout layout = last_dim_contiguous)
+      : AttentionCall(op, a.query, a.key, a.value, a.attn_mask, a.is_causal, a.scale,
+                      a.enable_gqa, a.variants, a.dropout_p, layout) {}
+  AttentionCall(const char* op, const WeightsArgs& a)
+      : AttentionCall(op, a.query, a.key, a.key, a.attn_mask, a.is_causal, a.scale,
+                      a.enable_gqa, a.variants, a.dropout_p, last_dim_contiguous,
+                      /*pack_query_heads=*/false) {}
+  template <typename VarlenArgs>
+  AttentionCall(const char* op, const VarlenArgs& a, const PackedBatch& batch,
+                RowLayout layout = last_dim_contiguous, int64_t most_packed_rows = kAnyRows)
+      : AttentionCall(op, a.query, a.key, a.value, batch, a.is_causal, a.scale, a.variants,
+                      a.dropout_p, layout, most_packed_rows) {}
 
   // The forward pass writing out and lse (as allocate_attention_outputs
   // made them). Dropout is left off: the backend draws its stream.

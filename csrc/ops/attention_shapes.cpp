@@ -150,8 +150,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_varlen_outputs(
   if (written_rows.has_value()) {
     at::Tensor out = at::empty({query.size(0), query.size(1), value.size(-1)}, options);
     at::Tensor lse = at::empty({query.size(1), query.size(0)}, options.dtype(lse_dtype));
-    // (Only where rows are left: each op costs a decoding step microseconds
-    // from cold caches. The kernel that writes the rows writes rng_state too.)
+    // (Only where rows are left: each op adds to a decoding step's fixed
+    // cost from cold caches, docs/performance.md, "A decoding call's fixed
+    // cost". The kernel that writes the rows writes rng_state too.)
     if (*written_rows < query.size(0)) {
       out.narrow(0, *written_rows, query.size(0) - *written_rows).zero_();
       lse.narrow(1, *written_rows, query.size(0) - *written_rows)

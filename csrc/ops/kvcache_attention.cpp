@@ -12,8 +12,10 @@
 //    each sequence from its left padding, seqused_k keys long.
 // For inference: no gradients. Composed of ATen ops and fusedmha's ops, but
 // registered for the CPU and CUDA keys with a shape kernel (Meta), so that
-// torch.compile sees one opaque op: its paths read the lengths on the host,
-// which fake tensors do not have. It computes in the caches' dtype: autocast
+// torch.compile sees one opaque op: which path runs depends on values read
+// on the host (on the CPU the lengths, on a GPU whether any sequence is
+// left-padded: CacheSequences), which fake tensors do not have. It computes
+// in the caches' dtype: autocast
 // does not reach the ops it calls (a cast of the whole cache each step, and
 // only where one path has an autocast kernel).
 
@@ -123,8 +125,9 @@ std::vector<int64_t> first_integers(int64_t n) {
 
 // The values of a small integer tensor on the CPU (lengths, indices), read
 // once: checked and summed in plain loops, where each ATen reduction and
-// .item() cost microseconds, tens of them per decoding step. (int32 and
-// int64 are read in place, without a conversion op.)
+// .item() is an op dispatched, and tens of them are a large part of a
+// decoding step (docs/performance.md, "A decoding call's fixed cost").
+// (int32 and int64 are read in place, without a conversion op.)
 std::vector<int64_t> host_values(const at::Tensor& t) {
   const bool in_place = t.scalar_type() == at::kInt || t.scalar_type() == at::kLong;
   const at::Tensor c = in_place ? t.contiguous() : t.to(at::kLong).contiguous();
@@ -136,10 +139,15 @@ std::vector<int64_t> host_values(const at::Tensor& t) {
 // Each sequence's cache length before the append (seqlens), left padding and
 // cache index. On the CPU their values, read once: checked and summed in
 // plain loops, and made into tensors only where a path needs one (each ATen
-// call costs a decoding step microseconds, tens of them from cold caches).
-// On a GPU device tensors, whose values are never read (that would wait for
-// the device).
-struct Sequences {
+// call adds to a decoding step's fixed cost: docs/performance.md, "A
+// decoding call's fixed cost"). On a GPU they stay device tensors, and the
+// lengths and indices are never read on the host (that would wait for the
+// device). The one value read there is a bool, where cache_leftpad is given:
+// whether any sequence is left-padded (attend()'s no_leftpad, one .item(),
+// which waits for the device), because caches chosen by cache_batch_idx
+// are read in place as one page each only when none is; otherwise they are
+// copied and attended from their padding.
+struct CacheSequences {
   bool on_cpu;
   std::vector<int64_t> lens, pads, idx;    // (CPU)
   at::Tensor seqlens, leftpad, batch_idx;  // (GPU: int32, int32, int64)
@@ -236,7 +244,8 @@ bool may_share_memory(const at::Tensor& a, const at::Tensor& b) {
 
 // The append on the CPU as row copies, where each cache row (H_kv, E) is
 // contiguous (the usual caches): the general path, index_put_ with index
-// tensors, is a dozen ATen ops per call, a fifth of a short decoding step.
+// tensors, is a dozen ATen ops per call, a large share of a short decoding
+// step (docs/performance.md, "A decoding call's fixed cost").
 // Keeps the bytes it overwrites, for undo().
 class RowAppend {
  public:
@@ -358,7 +367,7 @@ void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache, const Op
 // keys per sequence, from its left padding.
 std::tuple<at::Tensor, at::Tensor> attend(
     const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-    const Sequences& seq, int64_t added, bool paged,
+    const CacheSequences& seq, int64_t added, bool paged,
     bool chosen_caches, bool has_leftpad, const OptTensor& block_table, int64_t page,
     int64_t rows_per_sequence, std::optional<double> scale, bool is_causal,
     const AttentionVariants& variants) {
@@ -510,7 +519,7 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_kernel(KVCACHE_OP_ARGS
   // The variants too, before anything is written into the caches.
   ops::check_variants(kOp, q, {q.sym_size(0), q.sym_size(2)},
                  {window_left, window_right, /*bottom_right=*/true, softcap, alibi_slopes, sinks});
-  Sequences seq{device.is_cpu()};
+  CacheSequences seq{device.is_cpu()};
   const int64_t default_length = cache_seqlens_value.value_or(rows_per_sequence);
   if (seq.on_cpu) {
     auto values = [&](const OptTensor& t, const char* name, std::vector<int64_t> fallback) {

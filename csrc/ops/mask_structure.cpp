@@ -61,10 +61,10 @@ uint64_t repeated(T x) {
 // j moved past the elements from j on that equal `word`'s (or `other`'s),
 // 64 bytes at a time while they are all one of the two words, then a word at
 // a time, where the row is contiguous (elsewhere not at all): the
-// element-wise loops then take the rest. (A causal (B, 1, L, S) bool mask at
-// L = S = 4096, B = 4, scanned element by element, cost 3-4% of the call
-// where it turned out not to be a band; a word at a time, a float (L, S)
-// mask read at 11 GB/s.)
+// element-wise loops then take the rest. (Scanned element by element, a
+// mask that turned out not to be a band cost the call a noticeable share of
+// its time for nothing; a word at a time, the scan runs near the memory's
+// speed: docs/performance.md, "Mask structure scan".)
 template <typename T>
 int64_t skip_words(const T* row, int64_t stride, int64_t j, int64_t len, uint64_t word,
                    uint64_t other) {
@@ -136,9 +136,9 @@ bool run_of_trues(const T* row, int64_t stride, int64_t len, bool lowest_hides, 
 // The runs of rows × batches rows (batch b's row i at runs[b·rows + i]),
 // rows row_stride and batches batch_stride elements apart; false where a
 // row is not one run, or (same_rows) differs from its batch index's first.
-// The rows are split among the threads (a float (L, S) mask at L = S = 4096,
-// 64 MB, read in 3.8 ms on one thread of Zen 4), each stopping once any has
-// found a row that is not a run.
+// The rows are split among the threads (a mask as large as the scores is a
+// long read for one thread: docs/performance.md, "Mask structure scan"),
+// each stopping once any has found a row that is not a run.
 template <typename T>
 bool runs_of(const at::Tensor& mask, int64_t batches, int64_t batch_stride, int64_t rows,
              int64_t row_stride, bool same_rows, bool lowest_hides, std::vector<Run>& runs) {

@@ -1,9 +1,11 @@
 #pragma once
 
 // Views for a call's setup on the CPU, made without the dispatcher. Each view
-// op (transpose, select, flatten, narrow) costs a decoding step ~3-5 us from
-// cold caches, and a step makes a dozen; a view made here is a TensorImpl over
-// the same storage with its sizes and strides set. It records no autograd
+// op (transpose, select, flatten, narrow) goes through the dispatcher, a
+// visible cost to a decoding step from cold caches, and a step makes a dozen
+// (docs/performance.md, "A decoding call's fixed cost"); a view made here is
+// a TensorImpl over the same storage with its sizes and strides set. It
+// records no autograd
 // view, so it is only for tensors a kernel reads or fills, never for what a
 // user could differentiate through. Any tensor that is not a plain strided
 // CPU one (meta, fake, symbolic sizes, a Python subclass, another device)

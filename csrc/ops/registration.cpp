@@ -1,6 +1,7 @@
 // The schemas of every fusedmha op, defined once. Kernels are registered
-// next to their implementations (csrc/cpu, csrc/ops/attention_meta.cpp,
-// csrc/ops/attention_autograd.cpp).
+// next to their implementations (csrc/cpu, csrc/cuda/attention_cuda.cpp,
+// csrc/modules, and in csrc/ops the composites, the Meta, Autograd and
+// Autocast kernels and attention_with_kvcache's).
 
 #include <torch/library.h>
 

@@ -42,7 +42,7 @@ def test_multihead_attention_under_data_parallelism(wrap):
 
 
 def test_example_training_script_runs_under_torchrun():
-    """examples/python/train_context_parallel.py, as the README launches it (fewer steps)."""
+    """examples/python/train_context_parallel.py, as docs/distributed.md launches it (fewer steps)."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     script = os.path.join(root, "examples", "python", "train_context_parallel.py")
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",

@@ -1,5 +1,5 @@
 """Property tests of every entry point over what users pass: shapes with dims of 0 and 1, batch
-dims that broadcast, masks of every kind, dtype and broadcast shape (fuzz_edges.py draws them;
+dims that broadcast, masks of every kind, dtype and broadcast shape (fuzz/edges.py draws them;
 hypothesis drives its draws, so a failure shrinks to a small case). Each call returns the
 float64 truth within the suite's tolerances, or raises a clean exception that names the entry
 point, where the reference cannot compute the call either."""
@@ -12,21 +12,21 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fusedmha
-import fuzz_attention
-import fuzz_edges
+import fuzz
+from fuzz import edges
 from reference import MHA_TOL, compare_with_reference
 
 EXAMPLES = 40
 
 
-@pytest.mark.parametrize("entry", sorted(fuzz_edges.GENERATORS))
+@pytest.mark.parametrize("entry", sorted(edges.GENERATORS))
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(rng=st.randoms(use_true_random=False), seed=st.integers(0, 2**31 - 1))
 def test_edge_inputs_give_the_truth_or_a_clean_error(entry, rng, seed, one_thread):
     torch.manual_seed(seed)  # (module initialisation draws from the global generator)
-    case = fuzz_edges.GENERATORS[entry](rng, torch.Generator().manual_seed(seed), seed)
-    why = fuzz_attention.judge(case)
+    case = edges.GENERATORS[entry](rng, torch.Generator().manual_seed(seed), seed)
+    why = fuzz.judge(case)
     assert why is None, f"{entry}: {case.what}\n{why}"
 
 
@@ -35,7 +35,7 @@ def test_edge_draws_cover_empty_dims_and_masks():
     and both together each come up, as do size-1 dims."""
     tags = []
     for seed in range(300):
-        case = fuzz_edges.GENERATORS["sdpa"](random.Random(seed), torch.Generator().manual_seed(seed), seed)
+        case = edges.GENERATORS["sdpa"](random.Random(seed), torch.Generator().manual_seed(seed), seed)
         tags.append(case.tags)
     for tag in ("empty", "mask", "empty+mask"):
         share = sum(tag in t for t in tags) / len(tags)

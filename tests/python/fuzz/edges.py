@@ -3,7 +3,7 @@
 (1 against N, 1 against 0), and masks of every kind come with them: bool and float, of every
 broadcast shape, strided, transposed and expanded, all-true, all-false and bands.
 
-Each entry point of fuzz_attention.py gets a case kind "edge" drawn here, plus the two entry
+Each entry point of the fuzzer gets a case kind "edge" drawn here, plus the two entry
 points only this module draws: fusedmha.merge_attention and fusedmha.distributed's ring
 attention (its local step, the ops with a band and a dropout stream, over a world of one).
 A case's result must equal the float64 reference within the suite's tolerances, or the call
@@ -18,9 +18,17 @@ import torch.distributed as dist
 
 import fusedmha
 import fusedmha.distributed as fdist
-import fuzz_attention as fa
 import mha_inputs
-from reference import MHA_TOL, compare_with_reference, reference_variants
+from reference import MHA_TOL, assert_close_to_truth, compare_with_reference, reference_variants
+
+from .case import ENTRY_POINTS, Case, describe, expect, kwargs_text, names_error, raise_ok
+from .draw import Problem, outer_of, randn
+from .judge import (
+    FIXED_TOL, GRAD_FIXED_FACTOR, check_gradients, check_logsumexp, leaves64, reference_of,
+    rounded_output_gradients)
+from .kvcache import gen_kvcache
+from .sdpa import check_problem_call, forward_op_call, grad_leaves, sdpa_call
+from .varlen import gen_varlen
 
 
 def edge(rng, others=(2, 3, 5, 17)):
@@ -111,12 +119,12 @@ def draw_edge_problem(rng, g, dtype, *, front_door):
         hd = heads if gqa or rng.random() < 0.8 else 1
         return ([] if three_d else b) + [hd, rows, cols]
 
-    q = fa.randn(shape(h, L, E), dtype, g)
-    k = fa.randn(shape(h_kv, S, E), dtype, g)
-    v = fa.randn(shape(h_kv, S, Ev), dtype, g)
-    pb = fa.Problem(q, k, v, gqa=gqa)
+    q = randn(shape(h, L, E), dtype, g)
+    k = randn(shape(h_kv, S, E), dtype, g)
+    v = randn(shape(h_kv, S, Ev), dtype, g)
+    pb = Problem(q, k, v, gqa=gqa)
     try:
-        outer = fa.outer_of(pb)
+        outer = outer_of(pb)
     except RuntimeError:  # heads that do not broadcast: an error case
         outer = list(batch) + [h]
     pb.mask = draw_edge_mask(rng, g, outer + [L, S], dtype)
@@ -133,31 +141,31 @@ def reference_raises(pb):
     """Whether the float64 reference cannot compute the problem (shapes that do not go
     together): only then may the call raise."""
     try:
-        fa.reference_of(pb)
+        reference_of(pb)
     except (RuntimeError, ValueError, IndexError):
         return True
     return False
 
 
 def clean_error_of(entry):
-    names = fa.names_error(fa.ENTRY_POINTS[entry])
-    return lambda pb: lambda exc: reference_raises(pb) and fa.raise_ok(exc, names) is None
+    names = names_error(ENTRY_POINTS[entry])
+    return lambda pb: lambda exc: reference_raises(pb) and raise_ok(exc, names) is None
 
 
 def gen_edge_sdpa_like(entry, rng, g, seed):
     front_door = entry == "sdpa"
-    forward = fa.sdpa_call if front_door else fa.forward_op_call
+    forward = sdpa_call if front_door else forward_op_call
     dtype = rng.choice([torch.float32, torch.float32, torch.float64, torch.bfloat16])
     pb = draw_edge_problem(rng, g, dtype, front_door=front_door)
-    grads = fa.grad_leaves(pb, rng)
-    run, check = fa.check_problem_call(pb, forward, not front_door, grads, seed)
-    return fa.Case(entry, "edge", pb.text() + (" +backward" if grads else ""), run, check,
+    grads = grad_leaves(pb, rng)
+    run, check = check_problem_call(pb, forward, not front_door, grads, seed)
+    return Case(entry, "edge", pb.text() + (" +backward" if grads else ""), run, check,
                    may_raise=clean_error_of(entry)(pb), tags=edge_tags(pb.q, pb.k, pb.v, masks=[pb.mask]))
 
 
 def edge_tags(*tensors, masks=()):
     """The case's tags: "edge", "empty" where a tensor has a dim of size 0, "mask" where a
-    mask is passed, and "empty+mask" for both (fuzz_attention.py prints their shares)."""
+    mask is passed, and "empty+mask" for both (the run's summary prints their shares)."""
     tags = {"edge"}
     if has_empty_dim(*tensors):
         tags.add("empty")
@@ -175,8 +183,8 @@ def gen_edge_attention_backward(rng, g, seed):
     may_raise = clean_error_of(entry)(pb)
 
     def call():
-        out, lse, rng_state = fa.forward_op_call(pb)
-        grad_out = fa.randn(out.shape, dtype, g)
+        out, lse, rng_state = forward_op_call(pb)
+        grad_out = randn(out.shape, dtype, g)
         grads = torch.ops.fusedmha.attention_backward(
             grad_out, pb.q, pb.k, pb.v, out, lse, rng_state, pb.mask, 0.0, pb.is_causal,
             pb.scale, pb.gqa, **pb.variants)
@@ -184,20 +192,20 @@ def gen_edge_attention_backward(rng, g, seed):
 
     def check(result):
         grad_out, out, grads = result
-        inputs64 = fa.leaves64(pb.q, pb.k, pb.v)
-        ref, ref_lse, _ = fa.reference_of(pb, None, inputs64)
+        inputs64 = leaves64(pb.q, pb.k, pb.v)
+        ref, ref_lse, _ = reference_of(pb, None, inputs64)
         want = torch.autograd.grad(ref, inputs64, grad_out.double(), allow_unused=True,
                                    retain_graph=True)
         want = [torch.zeros_like(x) if w is None else w for w, x in zip(want, inputs64)]
-        rounded = fa.rounded_output_gradients(want, out, ref, ref_lse, grad_out, inputs64)
-        fa.check_gradients(pb, grads, want, grad_out, [pb.q, pb.k, pb.v], rounded)
+        rounded = rounded_output_gradients(want, out, ref, ref_lse, grad_out, inputs64)
+        check_gradients(pb, grads, want, grad_out, [pb.q, pb.k, pb.v], rounded)
 
     def may_raise_forward_too(exc):
         # (the forward op's own clean error counts: the backward is called on its result)
-        return may_raise(exc) or (reference_raises(pb) and fa.raise_ok(
-            exc, fa.names_error(fa.ENTRY_POINTS["attention_forward"])) is None)
+        return may_raise(exc) or (reference_raises(pb) and raise_ok(
+            exc, names_error(ENTRY_POINTS["attention_forward"])) is None)
 
-    return fa.Case(entry, "edge", pb.text(), call, check, may_raise=may_raise_forward_too,
+    return Case(entry, "edge", pb.text(), call, check, may_raise=may_raise_forward_too,
                    tags=edge_tags(pb.q, pb.k, pb.v, masks=[pb.mask]))
 
 
@@ -214,7 +222,7 @@ def gen_edge_flash(rng, g, seed):
     h = h_kv * (rng.choice([1, 2]) if h_kv else 1)
     E = edge(rng, (2, 8, 64))
     packing = rng.choice(["none", "none", "kv"] + (["qkv"] if L == S and h == h_kv else []))
-    q, k, v = (fa.randn(s, dtype, g) for s in ([B, L, h, E], [B, S, h_kv, E], [B, S, h_kv, E]))
+    q, k, v = (randn(s, dtype, g) for s in ([B, L, h, E], [B, S, h_kv, E], [B, S, h_kv, E]))
     kw = {}
     if rng.random() < 0.4:
         kw["causal"] = True
@@ -245,37 +253,37 @@ def gen_edge_flash(rng, g, seed):
     def check(result):
         result, gs = result
         out = result[0] if isinstance(result, tuple) else result
-        xs = fa.leaves64(q, k, v)
+        xs = leaves64(q, k, v)
         window = kw.get("window_size", (-1, -1))
         ref, lse, probs = reference_variants(*(x.transpose(1, 2) for x in xs), is_causal=kw.get("causal", False),
                                              enable_gqa=h != h_kv, window_left=window[0],
                                              window_right=window[1], bottom_right=True)
         ref = ref.transpose(1, 2)
-        fa.assert_close_to_truth(out, ref, floor=fa.FIXED_TOL[dtype])
+        assert_close_to_truth(out, ref, floor=FIXED_TOL[dtype])
         if isinstance(result, tuple):
-            fa.check_logsumexp(result[1], lse, dtype)
-            fa.assert_close_to_truth(result[2], probs, floor=fa.FIXED_TOL[dtype], what="probabilities")
+            check_logsumexp(result[1], lse, dtype)
+            assert_close_to_truth(result[2], probs, floor=FIXED_TOL[dtype], what="probabilities")
         if gs is not None:
             want = torch.autograd.grad(ref, xs, torch.ones_like(ref), allow_unused=True)
             for name, a, w, x in zip("qkv", gs, want, xs):
                 w = torch.zeros_like(x) if w is None else w
-                fa.assert_close_to_truth(a, w, floor=fa.GRAD_FIXED_FACTOR * fa.FIXED_TOL[dtype],
+                assert_close_to_truth(a, w, floor=GRAD_FIXED_FACTOR * FIXED_TOL[dtype],
                                          what=f"grad_{name}")
 
-    return fa.Case(entry, "edge", f"{packing}-packed q={fa.describe(q)} k={fa.describe(k)} "
-                   f"v={fa.describe(v)} {fa.kwargs_text(kw)}{' +backward' if grads else ''}", call,
+    return Case(entry, "edge", f"{packing}-packed q={describe(q)} k={describe(k)} "
+                   f"v={describe(v)} {kwargs_text(kw)}{' +backward' if grads else ''}", call,
                    check, tags=edge_tags(q, k, v))
 
 
 def gen_edge_varlen(rng, g, seed):
     """flash_attn_varlen_func's empty cases (no sequence, empty sequences, no heads, E = 0)."""
-    return as_edge(fa.gen_varlen(rng, g, "empty", seed))
+    return as_edge(gen_varlen(rng, g, "empty", seed))
 
 
 def gen_edge_kvcache(rng, g, seed):
     """flash_attn_with_kvcache's empty cases (no sequence, no query, nothing new, no heads, an
     empty cache, nothing at all)."""
-    return as_edge(fa.gen_kvcache(rng, g, "empty", seed))
+    return as_edge(gen_kvcache(rng, g, "empty", seed))
 
 
 def as_edge(case):
@@ -313,9 +321,9 @@ def gen_edge_mha(rng, g, seed):
             kw[name] = ~kw[name] if kind == "bool" else kw[name]  # (True = masked here)
     kw.update(rng.choice([dict(need_weights=False), dict(), dict(average_attn_weights=False)]))
     x = mha_inputs.make_inputs(N, L, S, E, E, E, dtype, batched, ctor["batch_first"])
-    text = (f"MultiheadAttention({E}, {H}, {fa.kwargs_text(ctor)}) query={fa.describe(x[0])} "
-            f"key={fa.describe(x[1])} {fa.kwargs_text(kw)}")
-    return fa.Case(entry, "edge", text,
+    text = (f"MultiheadAttention({E}, {H}, {kwargs_text(ctor)}) query={describe(x[0])} "
+            f"key={describe(x[1])} {kwargs_text(kw)}")
+    return Case(entry, "edge", text,
                    lambda: compare_with_reference(mod, x, kw, name="edge", tol=MHA_TOL["cpu"][dtype]),
                    tags=edge_tags(*x, masks=list(kw.get(n) for n in ("attn_mask", "key_padding_mask"))))
 
@@ -329,11 +337,11 @@ def gen_edge_merge(rng, g, seed):
     dtype = rng.choice([torch.float32, torch.float64, torch.bfloat16])
     B, L, H, E = edge(rng), edge(rng, (2, 5)), edge(rng, (2, 3)), edge(rng, (2, 8))
     parts = rng.choice([1, 1, 2, 3])
-    outs = [fa.randn([B, L, H, E], dtype, g) for _ in range(parts)]
+    outs = [randn([B, L, H, E], dtype, g) for _ in range(parts)]
     lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     lses = []
     for _ in range(parts):
-        lse = fa.randn([B, H, L], lse_dtype, g)
+        lse = randn([B, H, L], lse_dtype, g)
         lses.append(lse.masked_fill(torch.rand(lse.shape, generator=g) < 0.3, math.inf))
 
     def check(result):
@@ -345,12 +353,12 @@ def gen_edge_merge(rng, g, seed):
         seen = finite.any(0)
         weights = torch.where(finite, torch.exp(safe - torch.where(seen, total, 0.0)), 0.0)
         want = sum(w.transpose(1, 2).unsqueeze(-1) * o.double() for w, o in zip(weights, outs))
-        fa.assert_close_to_truth(out, want, floor=fa.FIXED_TOL[dtype])
+        assert_close_to_truth(out, want, floor=FIXED_TOL[dtype])
         want_lse = torch.where(seen, total, math.inf)
-        fa.expect(torch.equal(torch.isinf(lse), torch.isinf(want_lse)), "lse: +inf entries differ")
-        fa.check_logsumexp(lse, want_lse, dtype)
+        expect(torch.equal(torch.isinf(lse), torch.isinf(want_lse)), "lse: +inf entries differ")
+        check_logsumexp(lse, want_lse, dtype)
 
-    return fa.Case(entry, "edge", f"{parts} x out={fa.describe(outs[0])} lse={fa.describe(lses[0])}",
+    return Case(entry, "edge", f"{parts} x out={describe(outs[0])} lse={describe(lses[0])}",
                    lambda: fusedmha.merge_attention(outs, lses), check,
                    tags=edge_tags(*outs))
 
@@ -374,10 +382,10 @@ def gen_edge_ring(rng, g, seed):
     dtype = rng.choice([torch.float32, torch.float64])
     B, h_kv, L, E = edge(rng), edge(rng, (2, 3)), edge(rng, (2, 4, 8)), edge(rng, (2, 8))
     h = h_kv * rng.choice([1, 2])
-    q, k, v = (fa.randn(s, dtype, g) for s in ([B, L, h, E], [B, L, h_kv, E], [B, L, h_kv, E]))
+    q, k, v = (randn(s, dtype, g) for s in ([B, L, h, E], [B, L, h_kv, E], [B, L, h_kv, E]))
     causal = rng.random() < 0.5
     window = (rng.choice([-1, 0, 2]), rng.choice([-1, 0, 1])) if rng.random() < 0.3 else (-1, -1)
-    names = fa.names_error(fa.ENTRY_POINTS[entry])
+    names = names_error(ENTRY_POINTS[entry])
 
     def call():
         xs = [x.detach().requires_grad_() for x in (q, k, v)]
@@ -388,21 +396,21 @@ def gen_edge_ring(rng, g, seed):
 
     def check(result):
         out, gs = result
-        xs = fa.leaves64(q, k, v)
+        xs = leaves64(q, k, v)
         ref, _, _ = reference_variants(*(x.transpose(1, 2) for x in xs), is_causal=causal,
                                        enable_gqa=h != h_kv, window_left=window[0],
                                        window_right=window[1], bottom_right=True)
         ref = ref.transpose(1, 2)
-        fa.assert_close_to_truth(out, ref, floor=fa.FIXED_TOL[dtype])
+        assert_close_to_truth(out, ref, floor=FIXED_TOL[dtype])
         want = torch.autograd.grad(ref, xs, torch.ones_like(ref), allow_unused=True)
         for name, a, w, x in zip("qkv", gs, want, xs):
             w = torch.zeros_like(x) if w is None else w
-            fa.assert_close_to_truth(a, w, floor=fa.GRAD_FIXED_FACTOR * fa.FIXED_TOL[dtype], what=f"grad_{name}")
+            assert_close_to_truth(a, w, floor=GRAD_FIXED_FACTOR * FIXED_TOL[dtype], what=f"grad_{name}")
 
     # No key/value heads: the ring refuses them (a ValueError naming it).
-    return fa.Case(entry, "edge", f"q={fa.describe(q)} k={fa.describe(k)} causal={causal} "
+    return Case(entry, "edge", f"q={describe(q)} k={describe(k)} causal={causal} "
                    f"window_size={window}", call, check,
-                   may_raise=lambda exc: h_kv == 0 and fa.raise_ok(exc, names) is None,
+                   may_raise=lambda exc: h_kv == 0 and raise_ok(exc, names) is None,
                    tags=edge_tags(q, k, v))
 
 

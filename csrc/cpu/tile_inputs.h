@@ -1,0 +1,250 @@
+#pragma once
+
+// The inputs of a call as tiles: packing, widening and prefetching (TileInputs).
+//
+// Included only by the per-ISA kernel units (compiled once per level with
+// -DCPU_CAPABILITY=<LEVEL>, see cpu/isa_kernels.h): everything here lives in
+// an anonymous namespace inside fusedmha::cpu::<LEVEL>, so each level has its
+// own private copy.
+
+#include "common/attention_params.h"
+#include "cpu/mask_bits.h"
+#include "cpu/prefetch.h"
+#include "cpu/simd.h"
+
+#include <algorithm>
+#include <cstdint>
+
+namespace fusedmha::cpu {
+namespace CPU_CAPABILITY {
+namespace {
+
+// Reads the inputs described by AttentionParams tile by tile, in the layouts
+// the micro-kernels want (query panels transposed, key rows, value panels),
+// widening half precision to acc_t, and queues the lines of the next tiles
+// for prefetching.
+template <typename scalar_t, typename acc_t>
+class TileInputs {
+ public:
+  using Vec = Vectorized<acc_t>;
+  static constexpr int64_t nr = panel_width<acc_t>();
+  static constexpr int64_t w = Vec::size();
+  static constexpr bool kSameType = std::is_same_v<scalar_t, acc_t>;
+
+  explicit TileInputs(const AttentionParams& p) : p_(p), stream_(p.dropout.stream()) {}
+
+  // Where matrix o of t starts (one outer-offset computation per call: the
+  // callers then step through rows by their stride).
+  const scalar_t* start(const Matrix& t, int64_t o) const {
+    return matrix_start<const scalar_t>(p_.outer, t, o);
+  }
+
+  // Rows r0..r0+rows of t (dim wide) transposed into panels of `lanes` rows
+  // (nr, or few_row_lanes), times scale: (row i, dim e) at
+  // [(i/lanes)·dim + e]·lanes + i%lanes; rows up to padded_rows are zero.
+  void pack_transposed(const Matrix& t, int64_t o, int64_t r0, int64_t rows,
+                       int64_t padded_rows, int64_t dim, acc_t scale, acc_t* dst,
+                       int64_t lanes = nr) const {
+    const scalar_t* first = start(t, o) + r0 * t.row_stride;
+    int64_t i = 0;
+    // Whole w × w blocks through register transposes: each block's columns
+    // land as w contiguous lanes of a panel (where w divides its width).
+    // (Half precision is widened a block at a time first.)
+    const int64_t dims = dim / w * w;
+    acc_t block[w * w], wide[w * w];
+    const Vec vscale(scale);
+    for (; dims > 0 && lanes % w == 0 && i + w <= rows; i += w) {
+      acc_t* d = dst + (i / lanes) * dim * lanes + i % lanes;
+      const scalar_t* src = first + i * t.row_stride;
+      for (int64_t e0 = 0; e0 < dims; e0 += w) {
+        if constexpr (kSameType) {
+          transpose_block(reinterpret_cast<const acc_t*>(src) + e0, t.row_stride, block);
+        } else {
+          for (int64_t l = 0; l < w; ++l) widen(src + l * t.row_stride + e0, wide + l * w, w);
+          transpose_block(wide, w, block);
+        }
+        for (int64_t e = 0; e < w; ++e) {
+          (Vec::loadu(block + e * w) * vscale).store(d + (e0 + e) * lanes);
+        }
+      }
+      for (int64_t e = dims; e < dim; ++e) {
+        for (int64_t l = 0; l < w; ++l) {
+          d[e * lanes + l] = static_cast<acc_t>(src[l * t.row_stride + e]) * scale;
+        }
+      }
+    }
+    for (; i < rows; ++i) {
+      acc_t* d = dst + (i / lanes) * dim * lanes + i % lanes;
+      const scalar_t* src = first + i * t.row_stride;
+      for (int64_t e = 0; e < dim; ++e) d[e * lanes] = static_cast<acc_t>(src[e]) * scale;
+    }
+    // The padding, lanes rows..padded_rows of each dim's panel row: a run of
+    // contiguous lanes each (not one strided store per lane: a few query
+    // rows padded to a whole panel spent more here than on their scores).
+    for (; i < padded_rows; i = round_up(i + 1, lanes)) {
+      const int64_t end = std::min(round_up(i + 1, lanes), padded_rows);
+      acc_t* d = dst + (i / lanes) * dim * lanes + i % lanes;
+      for (int64_t e = 0; e < dim; ++e) {
+        std::fill(d + e * lanes, d + e * lanes + (end - i), acc_t(0));
+      }
+    }
+  }
+
+  // Rows r0..r0+rows of t (query-side rows: q, grad_out) as acc_t rows: in
+  // place (returning the input's row stride in *ld) when the type matches
+  // and, if panel_rows, the rows fill whole panels; otherwise widened into
+  // dst, zero-padded to a multiple of the panel width.
+  const acc_t* rows_of(const Matrix& t, int64_t o, int64_t r0, int64_t rows, int64_t dim,
+                       bool panel_rows, acc_t* dst, int64_t* ld) const {
+    return rows_at(start(t, o) + r0 * t.row_stride, t.row_stride, rows, dim, panel_rows, dst, ld);
+  }
+
+  // The same for keys k0..k0+cols of K or V (a block within one page when
+  // the cache is paged).
+  enum class KeySide { K, V };
+  const acc_t* key_rows_of(KeySide side, int64_t o, int64_t k0, int64_t cols, int64_t dim,
+                           bool panel_rows, acc_t* dst, int64_t* ld) const {
+    return rows_at(key_rows(side, o, k0), key_matrix(side).row_stride, cols, dim, panel_rows,
+                   dst, ld);
+  }
+
+  // Keys k0..k0+cols of K or V (dim wide) as column panels of nr: (key j,
+  // dim e) at dst[((e / nr)·cols + j)·nr + e % nr], dims past dim zero. A
+  // GEMM that takes the block as its b operand then streams each panel
+  // from contiguous memory (rows nr apart) instead of a slice of every row
+  // (a row stride apart), which the caches prefetch far better.
+  void key_panels_of(KeySide side, int64_t o, int64_t k0, int64_t cols, int64_t dim,
+                     acc_t* dst) const {
+    const scalar_t* first = key_rows(side, o, k0);
+    const int64_t row_stride = key_matrix(side).row_stride, full = dim / nr * nr;
+    for (int64_t e = 0; e < full; e += nr) {  // (stores in order)
+      const scalar_t* src = first + e;
+      acc_t* d = dst + e * cols;
+      for (int64_t j = 0; j < cols; ++j, src += row_stride, d += nr) {
+        if constexpr (kSameType) {
+          Vec::loadu(src).store(d);
+          Vec::loadu(src + w).store(d + w);
+        } else {
+          widen(src, d, nr);
+        }
+      }
+    }
+    for (int64_t j = 0; full < dim && j < cols; ++j) {
+      acc_t* tail = dst + full * cols + j * nr;
+      widen(first + j * row_stride + full, tail, dim - full);
+      std::fill(tail + dim - full, tail + nr, acc_t(0));
+    }
+  }
+
+  // Queues rows r0..r0+rows of t (dim wide) to be brought into L2.
+  void queue_rows(PrefetchQueue& queue, const Matrix& t, int64_t o, int64_t r0, int64_t rows,
+                  int64_t dim) const {
+    constexpr int64_t size = sizeof(scalar_t);
+    queue.add(start(t, o) + r0 * t.row_stride, t.row_stride * size, rows, dim * size);
+  }
+  // Queues the mask's tile of queries q0..q0+rows and keys k0..k0+cols
+  // (outer index o): a general mask's rows are a row stride apart, with long
+  // keys each in a page of its own, where the hardware prefetchers do not
+  // follow; a key padding mask is one row (decoding reads its few lines
+  // a block at a time, each a stall from cold caches when not queued).
+  void queue_mask_tile(PrefetchQueue& queue, int64_t o, int64_t q0, int64_t rows, int64_t k0,
+                       int64_t cols) const {
+    const Matrix& mk = p_.mask;
+    if (mk.col_stride != 1 || cols <= 0) return;
+    with_mask_type([&](auto mask) {
+      using mask_t = decltype(mask);
+      constexpr int64_t size = sizeof(mask_t);
+      const mask_t* first = matrix_start<const mask_t>(p_.outer, mk, o) + q0 * mk.row_stride + k0;
+      queue.add(first, mk.row_stride * size, rows > 0 && mk.row_stride == 0 ? 1 : rows,
+                cols * size);
+    });
+  }
+  // The hidden keys of outer index o's mask rows q0..q0+rows over keys
+  // k0..k0+cols, into bits as MaskBits lays them out (stride apart). Each
+  // row is read once for the span, four or five lines in a row, where the
+  // tiles read it once per key block: every row of a (B, H, L, S) mask 4 KiB
+  // or more long is a page of its own, and a query block's rows each missed
+  // the L1 TLB at every block (docs/performance.md, "Bool masks as bits").
+  void read_mask_bits(int64_t o, int64_t q0, int64_t rows, int64_t k0, int64_t cols,
+                      uint64_t* bits, int64_t stride) const {
+#if defined(CPU_CAPABILITY_AVX512)
+    const Matrix& mk = p_.mask;
+    const bool* row = matrix_start<const bool>(p_.outer, mk, o) + q0 * mk.row_stride + k0;
+    for (int64_t i = 0; i < rows; ++i, row += mk.row_stride) {
+      for (int64_t j0 = 0; j0 < cols; j0 += kBlockedKeys) {
+        const int64_t n = std::min(kBlockedKeys, cols - j0);
+        bits[j0 / kBlockedKeys * stride + i] = hidden_keys(row + j0, n);
+      }
+    }
+#else
+    (void)o, (void)q0, (void)rows, (void)k0, (void)cols, (void)bits, (void)stride;
+#endif
+  }
+  // Queues keys k0..k0+cols of K or V (dim wide) to be brought into L2.
+  void queue_key_rows(PrefetchQueue& queue, KeySide side, int64_t o, int64_t k0, int64_t cols,
+                      int64_t dim) const {
+    constexpr int64_t size = sizeof(scalar_t);
+    queue.add(key_rows(side, o, k0), key_matrix(side).row_stride * size, cols, dim * size);
+  }
+
+  // Where keys k0.. of outer index o start in K or V (before any widening):
+  // two heads that read the same rows have the same address.
+  const void* key_source(KeySide side, int64_t o, int64_t k0) const {
+    return key_rows(side, o, k0);
+  }
+
+ protected:
+  // Calls f with a value of the mask's element type (none: not called).
+  template <typename F>
+  void with_mask_type(const F& f) const {
+    switch (p_.mask_kind) {
+      case MaskKind::None: return;
+      case MaskKind::Bool: return f(bool{});
+      case MaskKind::Additive: return f(scalar_t{});
+      case MaskKind::AdditiveFloat32: return f(float{});
+    }
+  }
+
+  const Matrix& key_matrix(KeySide side) const { return side == KeySide::K ? p_.k : p_.v; }
+  const scalar_t* key_rows(KeySide side, int64_t o, int64_t k0) const {
+    return static_cast<const scalar_t*>(key_matrix(side).data) +
+           (side == KeySide::K ? k_row_offset(p_, o, k0) : v_row_offset(p_, o, k0));
+  }
+
+  const acc_t* rows_at(const scalar_t* first, int64_t row_stride, int64_t rows, int64_t dim,
+                       bool panel_rows, acc_t* dst, int64_t* ld) const {
+    if (kSameType && (!panel_rows || dim % nr == 0)) {
+      *ld = row_stride;
+      return reinterpret_cast<const acc_t*>(first);
+    }
+    *ld = round_up(dim, nr);
+    for (int64_t i = 0; i < rows; ++i) {
+      const scalar_t* src = first + i * row_stride;
+      acc_t* d = dst + i * *ld;
+      widen(src, d, dim);
+      std::fill(d + dim, d + *ld, acc_t(0));
+    }
+    return dst;
+  }
+
+
+  // The transpose of the w × w block at src (rows ld apart) into dst's rows
+  // (ldd apart).
+  static void transpose_block(const acc_t* src, int64_t ld, acc_t* dst, int64_t ldd = w) {
+#if defined(CPU_CAPABILITY_AVX2)
+    if constexpr (std::is_same_v<acc_t, float>) return transpose_8x8(src, ld, dst, ldd);
+#elif defined(CPU_CAPABILITY_AVX512)
+    if constexpr (std::is_same_v<acc_t, float>) return transpose_16x16(src, ld, dst, ldd);
+#endif
+    for (int64_t i = 0; i < w; ++i) {
+      for (int64_t j = 0; j < w; ++j) dst[j * ldd + i] = src[i * ld + j];
+    }
+  }
+
+  const AttentionParams& p_;
+  const DropoutStream stream_;
+};
+
+}  // namespace
+}  // namespace CPU_CAPABILITY
+}  // namespace fusedmha::cpu
