@@ -39,8 +39,8 @@ ops::DenseGradients run_backward(const ops::AttentionCall& call, BackwardParams 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(const ops::BackwardArgs& a) {
   ops::check_backward_inputs(ops::kBackwardOp, a);
   ops::AttentionCall call(ops::kBackwardOp, a);
-  return run_backward(call, call.backward(a.grad_out, a.out, a.logsumexp, a.rng_state,
-                                          a.dropout_p, a.grad_logsumexp))
+  return run_backward(call, call.backward(a.grad_out, a.out, a.logsumexp, a.rng_state, a.dropout_p,
+                                          a.grad_logsumexp))
       .reduced_to(a.query, a.key, a.value);
 }
 
@@ -50,8 +50,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward_cpu(
   const ops::PackedBatch batch = ops::packed_batch(a);
   ops::check_packed_batch_values(ops::kVarlenBackwardOp, batch, a.query.size(0), a.key);
   ops::AttentionCall call(ops::kVarlenBackwardOp, a, batch);
-  return run_backward(call, call.backward(a.grad_out, a.out, a.logsumexp, a.rng_state,
-                                          a.dropout_p, a.grad_logsumexp))
+  return run_backward(call, call.backward(a.grad_out, a.out, a.logsumexp, a.rng_state, a.dropout_p,
+                                          a.grad_logsumexp))
       .reduced_to(a.query, a.key, a.value);
 }
 

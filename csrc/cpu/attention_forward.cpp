@@ -132,8 +132,8 @@ void run_forward(AttentionParams p, double dropout_p, const at::Tensor& rng_stat
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cpu(const ops::ForwardArgs& a) {
   ops::check_forward_inputs(ops::kForwardOp, a);
-  auto [out, lse, rng_state] = ops::allocate_attention_outputs(a.query, a.key, a.value,
-                                                               a.enable_gqa);
+  auto [out, lse, rng_state] =
+      ops::allocate_attention_outputs(a.query, a.key, a.value, a.enable_gqa);
   if (a.dropout_state.has_value()) rng_state = ops::returned_rng_state(rng_state, a.dropout_state);
   // No query rows: nothing to compute, and no mask to scan.
   if (lse.numel() == 0) return {out, lse, rng_state};

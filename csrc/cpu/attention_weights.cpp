@@ -29,8 +29,6 @@ at::Tensor attention_weights_cpu(const ops::WeightsArgs& a) {
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(fusedmha, CPU, m) {
-  FUSEDMHA_OP_IMPL(m, attention_weights_cpu);
-}
+TORCH_LIBRARY_IMPL(fusedmha, CPU, m) { FUSEDMHA_OP_IMPL(m, attention_weights_cpu); }
 
 }  // namespace fusedmha::cpu

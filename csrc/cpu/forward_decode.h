@@ -16,10 +16,10 @@ namespace CPU_CAPABILITY {
 namespace {
 
 template <typename scalar_t, typename acc_t>
-void ForwardKernel<scalar_t, acc_t>::run_decode(int64_t item) {
+inline void ForwardKernel<scalar_t, acc_t>::run_decode(int64_t item) {
   const int64_t g = item / split_.kv_splits, chunk = item % split_.kv_splits;
   const int64_t heads = split_.heads, o0 = g * heads;
-  p_ = sequence_of(p_, o0);  // (a group's heads share their sequence)
+  p_ = sequence_of(p_, o0);                             // (a group's heads share their sequence)
   const int64_t panels = panel_count(split_), bq = nr;  // (a panel's rows: decode_rows <= nr)
   // The chunk's share of the keys any head of the group can see: chunks
   // of those keys, not of all, so that left padding, a static cache's
@@ -66,10 +66,9 @@ void ForwardKernel<scalar_t, acc_t>::run_decode(int64_t item) {
       const bool transposed = keys == kt_keys && cols == kt_cols && !in_lanes;
       queue_next_head_block(h, panels, k0, kv_end, rows, o0, transposed);
       PrefetchQueue* pq = &prefetch_;
-      const acc_t* k =
-          transposed ? nullptr
-                     : tiles_.key_rows_of(Tiles::KeySide::K, o, k0, cols, p_.dim_qk, false,
-                                          ws_.k, &ldk);
+      const acc_t* k = transposed ? nullptr
+                                  : tiles_.key_rows_of(Tiles::KeySide::K, o, k0, cols, p_.dim_qk,
+                                                       false, ws_.k, &ldk);
       tiles_.few_row_scores(k, ldk, cols, head_rows(h, bq), rows, ls, ws_.st, ws_.kt, pq,
                             transposed);
       if (!in_lanes) kt_keys = keys, kt_cols = cols;  // (lane_scores writes no kt)
@@ -105,7 +104,7 @@ void ForwardKernel<scalar_t, acc_t>::run_decode(int64_t item) {
 }
 
 template <typename scalar_t, typename acc_t>
-void ForwardKernel<scalar_t, acc_t>::combine(int64_t g) {
+inline void ForwardKernel<scalar_t, acc_t>::combine(int64_t g) {
   const int64_t o0 = g * split_.heads;
   p_ = sequence_of(p_, o0);
   const int64_t dv = ws_.dv, record_rows = partial_rows(split_, call_.len_q);
@@ -133,7 +132,8 @@ void ForwardKernel<scalar_t, acc_t>::combine(int64_t g) {
       }
       // (A chunk's NaN sum, from a NaN score, makes the row NaN.)
       for (int64_t c = 0; c < split_.kv_splits; ++c) {
-        if (std::isnan(partial(g, c, h)[record_rows + i])) l = std::numeric_limits<acc_t>::quiet_NaN();
+        if (std::isnan(partial(g, c, h)[record_rows + i]))
+          l = std::numeric_limits<acc_t>::quiet_NaN();
       }
       st.m[i] = top;
       st.l[i] = l;
@@ -143,8 +143,10 @@ void ForwardKernel<scalar_t, acc_t>::combine(int64_t g) {
 }
 
 template <typename scalar_t, typename acc_t>
-void ForwardKernel<scalar_t, acc_t>::queue_next_head_block(int64_t h, int64_t panels, int64_t k0, int64_t kv_end,
-                           int64_t rows, int64_t o0, bool keys_transposed) {
+inline void ForwardKernel<scalar_t, acc_t>::queue_next_head_block(int64_t h, int64_t panels,
+                                                                  int64_t k0, int64_t kv_end,
+                                                                  int64_t rows, int64_t o0,
+                                                                  bool keys_transposed) {
   const bool last_head = h + 1 == panels;
   const int64_t o = panel_of(o0, h).o;
   const Panel next = panel_of(o0, last_head ? 0 : h + 1);
@@ -169,25 +171,25 @@ void ForwardKernel<scalar_t, acc_t>::queue_next_head_block(int64_t h, int64_t pa
   }
   const int64_t cols = std::min(split_.block_kv, kv_end - k0);
   prefetch_.pace(tiles_.few_row_bursts(cols, rows, keys_transposed) +
-                 div_up(cols, kSoftmaxKeysPerBurst) +
-                 ws_.dv / nr * div_up(rows, kMicroRows));
+                 div_up(cols, kSoftmaxKeysPerBurst) + ws_.dv / nr * div_up(rows, kMicroRows));
 }
 
 template <typename scalar_t, typename acc_t>
-int64_t ForwardKernel<scalar_t, acc_t>::chunk_length(int64_t len_kv) const {
+inline int64_t ForwardKernel<scalar_t, acc_t>::chunk_length(int64_t len_kv) const {
   return round_up(std::max(div_up(std::max<int64_t>(len_kv, 1), split_.kv_splits), kMinChunkKeys),
                   split_.block_kv);
 }
 
 template <typename scalar_t, typename acc_t>
-acc_t* ForwardKernel<scalar_t, acc_t>::partial(int64_t g, int64_t c, int64_t h) const {
+inline acc_t* ForwardKernel<scalar_t, acc_t>::partial(int64_t g, int64_t c, int64_t h) const {
   const int64_t record = partial_rows(split_, call_.len_q) * (2 + ws_.dv);
   return static_cast<acc_t*>(split_.partials) +
          ((g * split_.kv_splits + c) * panel_count(split_) + h) * record;
 }
 
 template <typename scalar_t, typename acc_t>
-typename ForwardKernel<scalar_t, acc_t>::Panel ForwardKernel<scalar_t, acc_t>::panel_of(int64_t o0, int64_t h) const {
+inline typename ForwardKernel<scalar_t, acc_t>::Panel ForwardKernel<scalar_t, acc_t>::panel_of(
+    int64_t o0, int64_t h) const {
   if (split_.row_splits == 1) return {o0 + h * split_.merged, 0, p_.len_q, split_.merged};
   const int64_t step = panel_step(split_, call_.len_q);
   const int64_t q0 = h % split_.row_splits * step;
@@ -195,7 +197,8 @@ typename ForwardKernel<scalar_t, acc_t>::Panel ForwardKernel<scalar_t, acc_t>::p
 }
 
 template <typename scalar_t, typename acc_t>
-void ForwardKernel<scalar_t, acc_t>::start_panel(const Panel& pn, int64_t bq, int64_t chunk, int64_t h) {
+inline void ForwardKernel<scalar_t, acc_t>::start_panel(const Panel& pn, int64_t bq, int64_t chunk,
+                                                        int64_t h) {
   const int64_t rows = pn.rows(), per_head = pn.per_head;
   const RowState<acc_t> st = head_state(h, bq);
   if (rows > 0) {
@@ -204,8 +207,7 @@ void ForwardKernel<scalar_t, acc_t>::start_panel(const Panel& pn, int64_t bq, in
       // (The last head's call zeroes the panel's lanes past its rows.)
       const int64_t padded = m + 1 == pn.heads ? lanes - m * per_head : per_head;
       tiles_.pack_transposed(p_.q, pn.o + m, pn.q0, per_head, padded, p_.dim_qk,
-                             static_cast<acc_t>(p_.scale), head_rows(h, bq) + m * per_head,
-                             lanes);
+                             static_cast<acc_t>(p_.scale), head_rows(h, bq) + m * per_head, lanes);
     }
   }
   start_rows(pn.o, rows, bq, /*with_sink=*/chunk == 0, st);
@@ -216,7 +218,8 @@ void ForwardKernel<scalar_t, acc_t>::start_panel(const Panel& pn, int64_t bq, in
 }
 
 template <typename scalar_t, typename acc_t>
-void ForwardKernel<scalar_t, acc_t>::write_panel(const Panel& pn, const RowState<acc_t>& st) {
+inline void ForwardKernel<scalar_t, acc_t>::write_panel(const Panel& pn,
+                                                        const RowState<acc_t>& st) {
   for (int64_t m = 0; m < pn.heads; ++m) {
     const int64_t r = m * pn.per_head;
     write_output(pn.o + m, pn.q0, pn.per_head,

@@ -8,36 +8,33 @@
 // time (isa.h). The kernels read the params of common/attention_params.h
 // and nothing of ATen's tensors.
 
+#include <cstddef>
+#include <cstdint>
+
 #include "common/attention_params.h"
 #include "cpu/plan.h"
 #include "cpu/work_split.h"
 
-#include <cstddef>
-#include <cstdint>
-
 namespace fusedmha::cpu {
 
-#define FUSEDMHA_DECLARE_CPU_KERNELS(LEVEL)                                                \
-  namespace LEVEL {                                                                        \
-  /* What the planner (cpu/plan.h) needs to know of this level's kernels. */               \
-  KernelTraits kernel_traits();                                                            \
-  /* The scratch a plan needs: s.workspace_bytes per thread (and the forward's */          \
-  /* s.partial_bytes for decoding's split keys). */                                        \
-  void forward_scratch(const AttentionParams& p, WorkSplit& s);                            \
-  void backward_scratch(const BackwardParams& bp, WorkSplit& s);                           \
-  void weights_scratch(const WeightsParams& wp, WorkSplit& s);                             \
-  /* Runs work item `item` of the plan s. */                                               \
-  void forward_item(const AttentionParams& p, const WorkSplit& s, int64_t item,            \
-                    void* workspace);                                                      \
-  void backward_item(const BackwardParams& bp, const WorkSplit& s, int64_t item,           \
-                     void* workspace);                                                     \
-  void weights_item(const WeightsParams& wp, const WorkSplit& s, int64_t item,             \
-                    void* workspace);                                                      \
-  /* Decoding with split keys: merges group g's partial results into out and lse. */       \
-  void forward_combine(const AttentionParams& p, const WorkSplit& s, int64_t group,        \
-                       void* workspace);                                                   \
-  /* Runs `iterations` rounds of register-only fp32 FMA chains; returns the flops. */      \
-  double fma_chains(int64_t iterations);                                                   \
+#define FUSEDMHA_DECLARE_CPU_KERNELS(LEVEL)                                                        \
+  namespace LEVEL {                                                                                \
+  /* What the planner (cpu/plan.h) needs to know of this level's kernels. */                       \
+  KernelTraits kernel_traits();                                                                    \
+  /* The scratch a plan needs: s.workspace_bytes per thread (and the forward's */                  \
+  /* s.partial_bytes for decoding's split keys). */                                                \
+  void forward_scratch(const AttentionParams& p, WorkSplit& s);                                    \
+  void backward_scratch(const BackwardParams& bp, WorkSplit& s);                                   \
+  void weights_scratch(const WeightsParams& wp, WorkSplit& s);                                     \
+  /* Runs work item `item` of the plan s. */                                                       \
+  void forward_item(const AttentionParams& p, const WorkSplit& s, int64_t item, void* workspace);  \
+  void backward_item(const BackwardParams& bp, const WorkSplit& s, int64_t item, void* workspace); \
+  void weights_item(const WeightsParams& wp, const WorkSplit& s, int64_t item, void* workspace);   \
+  /* Decoding with split keys: merges group g's partial results into out and lse. */               \
+  void forward_combine(const AttentionParams& p, const WorkSplit& s, int64_t group,                \
+                       void* workspace);                                                           \
+  /* Runs `iterations` rounds of register-only fp32 FMA chains; returns the flops. */              \
+  double fma_chains(int64_t iterations);                                                           \
   }
 
 FUSEDMHA_DECLARE_CPU_KERNELS(DEFAULT)

@@ -8,10 +8,10 @@
 // an anonymous namespace inside fusedmha::cpu::<LEVEL>, so each level has its
 // own private copy.
 
+#include <cstddef>
+
 #include "cpu/isa_kernels.h"
 #include "cpu/simd.h"
-
-#include <cstddef>
 
 namespace fusedmha::cpu {
 namespace CPU_CAPABILITY {
@@ -60,10 +60,14 @@ void with_kernel_for_dtype(DType dtype, const Params& p, const WorkSplit& split,
     work(kernel);
   };
   switch (dtype) {
-    case DType::Float32: return run(float{});
-    case DType::Float64: return run(double{});
-    case DType::BFloat16: return run(c10::BFloat16{});
-    case DType::Float16: return run(c10::Half{});
+    case DType::Float32:
+      return run(float{});
+    case DType::Float64:
+      return run(double{});
+    case DType::BFloat16:
+      return run(c10::BFloat16{});
+    case DType::Float16:
+      return run(c10::Half{});
   }
 }
 

@@ -194,29 +194,29 @@ void plan_decode(const AttentionParams& p, const KernelTraits& isa, const CacheS
 
 }  // namespace
 
-WorkSplit plan_forward(const AttentionParams& p, const KernelTraits& isa,
-                       const CacheSizes& caches, int64_t threads) {
+WorkSplit plan_forward(const AttentionParams& p, const KernelTraits& isa, const CacheSizes& caches,
+                       int64_t threads) {
   const bool f64 = p.dtype == DType::Float64;
   const int64_t acc_bytes = f64 ? 8 : 4, nr = isa.panel_width(f64);
   WorkSplit split;
   split.heads = heads_sharing_mask(p, nr, acc_bytes);
   const bool mask_rows =
       p.mask_kind != MaskKind::None && p.mask.row_stride != 0 && p.dim_qk <= kMaskBlockMaxDim;
-  const int64_t max_block = split.heads > 1 || mask_rows ? kMaskBlockQ
+  const int64_t max_block = split.heads > 1 || mask_rows                   ? kMaskBlockQ
                             : long_block_fits(p, nr, acc_bytes, caches.l2) ? kLongBlockQ
                                                                            : kMaxBlockQ;
-  split.block_q = band_block(
-      p,
-      std::min(work_block(p.len_q, p.num_outer / split.heads, threads, nr, max_block),
-               round_up(std::max<int64_t>(p.len_q, 1), nr)),
-      nr);
+  split.block_q =
+      band_block(p,
+                 std::min(work_block(p.len_q, p.num_outer / split.heads, threads, nr, max_block),
+                          round_up(std::max<int64_t>(p.len_q, 1), nr)),
+                 nr);
   split.block_kv = paged_block(p, std::min(kBlockKV, std::max<int64_t>(p.len_kv, 1)));
   split.items = p.num_outer / split.heads * div_up(p.len_q, split.block_q);
   split.threads = std::max<int64_t>(threads, 1);
   // Decoding: few query rows (one block) against long keys.
   const int64_t decode_rows = isa.decode_rows(f64);
-  const bool few_queries = p.len_q <= decode_rows ||
-                           (p.len_q <= kMostDecodeQueries && p.len_kv >= kMinRowSplitKeys);
+  const bool few_queries =
+      p.len_q <= decode_rows || (p.len_q <= kMostDecodeQueries && p.len_kv >= kMinRowSplitKeys);
   if (p.len_q > 0 && few_queries && p.softcap == 0 && !p.dropout.on() &&
       p.len_kv >= kMinChunkBlocks * split.block_kv) {
     plan_decode(p, isa, caches, threads, split);
@@ -239,8 +239,8 @@ WorkSplit plan_backward(BackwardParams& bp, const KernelTraits& isa, int64_t thr
   // set beyond the first costs a (len_q × E) slice of dQ per outer index,
   // so with many outer indices there is one set (no extra memory).
   const int64_t key_blocks = div_up(p.len_kv, split.block_kv);
-  bp.grad_q_splits = std::clamp<int64_t>(div_up(2 * threads, std::max<int64_t>(p.num_outer, 1)),
-                                         1, std::max<int64_t>(key_blocks, 1));
+  bp.grad_q_splits = std::clamp<int64_t>(div_up(2 * threads, std::max<int64_t>(p.num_outer, 1)), 1,
+                                         std::max<int64_t>(key_blocks, 1));
   split.items = p.len_kv > 0 ? p.num_outer * bp.grad_q_splits : 0;
   return split;
 }

@@ -8,10 +8,10 @@
 // kernels then size their scratch for the plan (IsaKernels::*_scratch).
 // docs/performance.md, "Work split and block sizes", says why each size.
 
+#include <cstdint>
+
 #include "common/attention_params.h"
 #include "cpu/work_split.h"
-
-#include <cstdint>
 
 namespace fusedmha::cpu {
 
@@ -48,8 +48,8 @@ inline constexpr int64_t kMinChunkKeys = 256;
 // The forward's work split: one item = split.heads outer indices over one
 // block of query rows, or for decoding (split.decode) a group of heads over
 // one chunk of the keys. Scratch sizes are left to the kernels.
-WorkSplit plan_forward(const AttentionParams& p, const KernelTraits& isa,
-                       const CacheSizes& caches, int64_t threads);
+WorkSplit plan_forward(const AttentionParams& p, const KernelTraits& isa, const CacheSizes& caches,
+                       int64_t threads);
 
 // The backward's: one item = one outer index over one set of key blocks;
 // sets bp.grad_q_splits (the sets per outer index, each with a dQ slice).

@@ -161,8 +161,8 @@ void launch_backward(const at::Tensor& query, const BackwardParams& bp, bool ten
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(const ops::ForwardArgs& a) {
   ops::check_forward_inputs(ops::kForwardOp, a);
   const c10::cuda::CUDAGuard guard(a.query.device());
-  auto [out, lse, rng_state] = ops::allocate_attention_outputs(a.query, a.key, a.value,
-                                                               a.enable_gqa);
+  auto [out, lse, rng_state] =
+      ops::allocate_attention_outputs(a.query, a.key, a.value, a.enable_gqa);
   const bool tensor_cores = use_tensor_cores(a.query, a.value, /*backward=*/false);
   ops::AttentionCall call(ops::kForwardOp, a, row_layout(tensor_cores));
   AttentionParams p = call.forward(out, lse);

@@ -14,13 +14,11 @@ namespace {
 
 using OptTensor = std::optional<at::Tensor>;
 
-
 // fusedmha::scaled_dot_product_attention for every backend: the forward op's
 // output. Registered as CompositeImplicitAutograd, so autograd and tracing
 // see attention_forward.
 at::Tensor sdpa_composite(const ops::SdpaArgs& a) {
-  const auto& [query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, variants] =
-      a;
+  const auto& [query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, variants] = a;
   // PyTorch's rule; the op itself applies both (MultiheadAttention uses that
   // for causal attention with a key padding mask).
   TORCH_CHECK(!(is_causal && attn_mask.has_value()), ops::kSdpaOp,
@@ -38,9 +36,9 @@ at::Tensor sdpa_composite(const ops::SdpaArgs& a) {
     if (ops::mask_broadcasts_to(mask->sym_sizes().slice(1), target)) mask = mask->squeeze(0);
   }
   // Checked here too, so that errors name the function the user called.
-  ops::check_forward_inputs(ops::kSdpaOp, {query, key, value, mask,
-                                           dropout_p == 1.0 ? 0.0 : dropout_p, is_causal, scale,
-                                           enable_gqa, variants, std::nullopt});
+  ops::check_forward_inputs(
+      ops::kSdpaOp, {query, key, value, mask, dropout_p == 1.0 ? 0.0 : dropout_p, is_causal, scale,
+                     enable_gqa, variants, std::nullopt});
   if (dropout_p == 1.0) {
     // Every probability dropped, as in PyTorch: zeros (with zero gradients),
     // and the same input checks. The kernels themselves take p < 1.
@@ -120,14 +118,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward(
 std::tuple<at::Tensor, at::Tensor> attention_with_kvcache(
     const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache, const KVCacheStep& step,
     std::optional<double> scale, bool is_causal, const AttentionVariants& variants) {
-  using Signature = std::tuple<at::Tensor, at::Tensor>(
-      const at::Tensor&, at::Tensor&, at::Tensor&, const OptTensor&, const OptTensor&,
-      const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&,
-      const OptTensor&, std::optional<double>, bool, bool, int64_t, int64_t, double,
-      const OptTensor&, const OptTensor&, std::optional<c10::SymInt>);
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("fusedmha::attention_with_kvcache", "")
-                             .typed<Signature>();
+  static const auto op = ops::find_op<ops::KVCacheArgs>();
   return op.call(q, k_cache, v_cache, step.k, step.v, step.rotary_cos, step.rotary_sin,
                  step.cache_seqlens, step.cache_batch_idx, step.cache_leftpad, step.block_table,
                  scale, is_causal, step.rotary_interleaved, variants.window_left,
@@ -135,8 +126,6 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache(
                  std::nullopt);
 }
 
-TORCH_LIBRARY_IMPL(fusedmha, CompositeImplicitAutograd, m) {
-  FUSEDMHA_OP_IMPL(m, sdpa_composite);
-}
+TORCH_LIBRARY_IMPL(fusedmha, CompositeImplicitAutograd, m) { FUSEDMHA_OP_IMPL(m, sdpa_composite); }
 
 }  // namespace fusedmha

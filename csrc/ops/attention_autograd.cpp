@@ -9,8 +9,8 @@
 #include <torch/library.h>
 
 #include "ops/attention_checks.h"
-#include "ops/op_args.h"
 #include "ops/attention_shapes.h"
+#include "ops/op_args.h"
 
 namespace fusedmha::ops {
 namespace {
@@ -47,7 +47,8 @@ struct SavedCall {
 
   static SavedCall load(AutogradContext* ctx) {
     const c10::IValue& scale = ctx->saved_data["scale"];
-    return {optional_tensor(ctx->saved_data["attn_mask"]), ctx->saved_data["dropout_p"].toDouble(),
+    return {optional_tensor(ctx->saved_data["attn_mask"]),
+            ctx->saved_data["dropout_p"].toDouble(),
             ctx->saved_data["is_causal"].toBool(),
             scale.isNone() ? std::nullopt : std::optional<double>(scale.toDouble()),
             ctx->saved_data["enable_gqa"].toBool(),
@@ -356,15 +357,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_autograd(const 
   check_mask_needs_no_grad(kForwardOp, a.attn_mask);
   check_slopes_need_no_grad(kForwardOp, a.variants.alibi_slopes);
   if (records_nothing({&a.query, &a.key, &a.value}, {&a.attn_mask, &a.variants.alibi_slopes,
-                                                      &a.variants.sinks, &a.dropout_state})) {
+                                                     &a.variants.sinks, &a.dropout_state})) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     return fusedmha::attention_forward(a.query, a.key, a.value, a.attn_mask, a.dropout_p,
                                        a.is_causal, a.scale, a.enable_gqa, a.variants,
                                        a.dropout_state);
   }
   const SavedCall call{a.attn_mask, a.dropout_p, a.is_causal, a.scale, a.enable_gqa, a.variants};
-  auto outputs = AttentionFunction::apply(a.query, a.key, a.value, call, a.variants.sinks,
-                                          a.dropout_state);
+  auto outputs =
+      AttentionFunction::apply(a.query, a.key, a.value, call, a.variants.sinks, a.dropout_state);
   return {outputs[0], outputs[1], outputs[2]};
 }
 
@@ -372,16 +373,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_forward_autograd
     const VarlenForwardArgs& a) {
   check_slopes_need_no_grad(kVarlenForwardOp, a.variants.alibi_slopes);
   const PackedBatch batch = packed_batch(a);
-  if (records_nothing({&a.query, &a.key, &a.value, &a.cu_seqlens_q, &a.cu_seqlens_k},
-                      {&a.variants.alibi_slopes, &a.variants.sinks, &a.seqused_k,
-                       &a.block_table})) {
+  if (records_nothing(
+          {&a.query, &a.key, &a.value, &a.cu_seqlens_q, &a.cu_seqlens_k},
+          {&a.variants.alibi_slopes, &a.variants.sinks, &a.seqused_k, &a.block_table})) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     return fusedmha::varlen_attention_forward(
         a.query, a.key, a.value, a.cu_seqlens_q, a.cu_seqlens_k, a.max_seqlen_q, a.max_seqlen_k,
         a.dropout_p, a.is_causal, a.scale, a.variants, a.seqused_k, a.block_table);
   }
-  const SavedCall call{std::nullopt, a.dropout_p, a.is_causal, a.scale, /*enable_gqa=*/true,
-                       a.variants};
+  const SavedCall call{std::nullopt, a.dropout_p,         a.is_causal,
+                       a.scale,      /*enable_gqa=*/true, a.variants};
   auto outputs =
       VarlenAttentionFunction::apply(a.query, a.key, a.value, batch, call, a.variants.sinks);
   return {outputs[0], outputs[1], outputs[2]};
@@ -389,11 +390,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_forward_autograd
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward_autograd(
     const VarlenBackwardArgs& a) {
-  const SavedCall call{std::nullopt, a.dropout_p, a.is_causal, a.scale, /*enable_gqa=*/true,
-                       a.variants};
-  auto grads = VarlenBackwardFunction::apply(a.grad_out, a.query, a.key, a.value, a.out,
-                                             a.logsumexp, a.rng_state, packed_batch(a), call,
-                                             a.grad_logsumexp);
+  const SavedCall call{std::nullopt, a.dropout_p,         a.is_causal,
+                       a.scale,      /*enable_gqa=*/true, a.variants};
+  auto grads =
+      VarlenBackwardFunction::apply(a.grad_out, a.query, a.key, a.value, a.out, a.logsumexp,
+                                    a.rng_state, packed_batch(a), call, a.grad_logsumexp);
   return {grads[0], grads[1], grads[2]};
 }
 

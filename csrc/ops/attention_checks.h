@@ -7,15 +7,14 @@
 // bad argument. Works on symbolic sizes, so the Meta kernels run it under
 // torch.compile.
 
-#include "ops/op_args.h"
-#include "ops/packed_batch.h"
-
-#include <fusedmha/attention.h>
-
 #include <ATen/core/Tensor.h>
+#include <fusedmha/attention.h>
 
 #include <optional>
 #include <utility>
+
+#include "ops/op_args.h"
+#include "ops/packed_batch.h"
 
 namespace fusedmha::ops {
 
@@ -42,8 +41,8 @@ at::Tensor returned_rng_state(const at::Tensor& drawn,
 // The variants of a call whose outer shape (batch dims..., H) is `outer`:
 // window bounds >= -1, softcap finite and >= 0, alibi_slopes (H) or (B, H)
 // and sinks (H), floating, on the query's device.
-void check_variants(const char* op, const at::Tensor& query,
-                    const std::vector<c10::SymInt>& outer, const AttentionVariants& variants);
+void check_variants(const char* op, const at::Tensor& query, const std::vector<c10::SymInt>& outer,
+                    const AttentionVariants& variants);
 
 // Whether a mask of these sizes broadcasts to target (no more dims, and each
 // of its trailing dims 1 or target's).

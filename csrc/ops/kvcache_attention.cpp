@@ -20,6 +20,7 @@
 // only where one path has an autocast kernel).
 
 #include "ops/attention_checks.h"
+#include "ops/op_args.h"
 #include "ops/quick_views.h"
 
 #include <fusedmha/attention.h>
@@ -42,18 +43,6 @@ namespace {
 
 constexpr const char* kOp = "fusedmha.attention_with_kvcache";
 using OptTensor = std::optional<at::Tensor>;
-
-// The op's arguments, as each of its kernels takes them (the schema:
-// csrc/ops/registration.cpp).
-#define KVCACHE_OP_ARGS                                                                        \
-  const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache, const OptTensor& k,           \
-      const OptTensor& v, const OptTensor& rotary_cos, const OptTensor& rotary_sin,            \
-      const OptTensor& cache_seqlens, const OptTensor& cache_batch_idx,                        \
-      const OptTensor& cache_leftpad, const OptTensor& block_table,                            \
-      std::optional<double> scale, bool is_causal, bool rotary_interleaved,                    \
-      int64_t window_left, int64_t window_right, double softcap,                               \
-      const OptTensor& alibi_slopes, const OptTensor& sinks,                                   \
-      std::optional<c10::SymInt> cache_seqlens_sym
 
 // Rotary embedding of the first 2·cos.size(1) dims of x (B, L, H, E) at
 // positions (B, L): adjacent pairs (interleaved, GPT-J) or the two halves
@@ -303,7 +292,10 @@ void check_devices(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
 // The checks that need no values, for the real kernel and the shape kernel
 // alike: ranks, arguments that go together, dtypes, devices. (Every tensor's
 // device: one meta tensor among CPU ones sends a call to the shape kernel.)
-void check_arguments(KVCACHE_OP_ARGS) {
+void check_arguments(const ops::KVCacheArgs& a) {
+  auto& [q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+         cache_leftpad, block_table, scale, is_causal, rotary_interleaved, window_left,
+         window_right, softcap, alibi_slopes, sinks, cache_seqlens_sym] = a;
   TORCH_CHECK(q.dim() == 4 && k_cache.dim() == 4 && v_cache.dim() == 4, kOp,
               ": expected q (B, L, H, E) and k_cache/v_cache (B_cache, S_cache, H_kv, E) or "
               "pages (num_pages, page_size, H_kv, E), got ", q.sym_sizes(), ", ",
@@ -457,17 +449,17 @@ std::tuple<at::Tensor, at::Tensor> attend(
 }
 
 
-std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_kernel(KVCACHE_OP_ARGS) {
+std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_kernel(const ops::KVCacheArgs& a) {
+  auto& [q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+         cache_leftpad, block_table, scale, is_causal, rotary_interleaved, window_left,
+         window_right, softcap, alibi_slopes, sinks, cache_seqlens_sym] = a;
   const at::NoGradGuard inference_only;
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   // (A backend kernel gets real tensors, so the int is concrete.)
   const std::optional<int64_t> cache_seqlens_value =
       cache_seqlens_sym.has_value() ? std::optional<int64_t>(cache_seqlens_sym->expect_int())
                                     : std::nullopt;
-  check_arguments(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-                  cache_batch_idx, cache_leftpad, block_table, scale, is_causal,
-                  rotary_interleaved, window_left, window_right, softcap, alibi_slopes, sinks,
-                  cache_seqlens_sym);
+  check_arguments(a);
   check_caches(k_cache, v_cache, k, v);
   const bool paged = block_table.has_value();
   TORCH_CHECK(!paged || (!cache_batch_idx.has_value() && !cache_leftpad.has_value()), kOp,
@@ -517,8 +509,7 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_kernel(KVCACHE_OP_ARGS
                 cos.scalar_type(), " ", cos.sizes(), " and ", sin.scalar_type(), " ", sin.sizes());
   }
   // The variants too, before anything is written into the caches.
-  ops::check_variants(kOp, q, {q.sym_size(0), q.sym_size(2)},
-                 {window_left, window_right, /*bottom_right=*/true, softcap, alibi_slopes, sinks});
+  ops::check_variants(kOp, q, {q.sym_size(0), q.sym_size(2)}, a.variants());
   CacheSequences seq{device.is_cpu()};
   const int64_t default_length = cache_seqlens_value.value_or(rows_per_sequence);
   if (seq.on_cpu) {
@@ -617,7 +608,7 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_kernel(KVCACHE_OP_ARGS
   try {
     return attend(query, k_cache, v_cache, seq, added, paged, cache_batch_idx.has_value(),
                   cache_leftpad.has_value(), block_table, page, rows_per_sequence, scale,
-                  is_causal, {window_left, window_right, /*bottom_right=*/true, softcap, alibi_slopes, sinks});
+                  is_causal, a.variants());
   } catch (const c10::Error& e) {
     if (k_rows.has_value()) {
       v_rows->undo();
@@ -642,11 +633,11 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_kernel(KVCACHE_OP_ARGS
 // in q's dtype and the log-sum-exp (B, H, L), both contiguous as every path
 // returns them. The checks that need no values run here too; the rest (the
 // lengths, the pages) wait for the real call.
-std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_meta(KVCACHE_OP_ARGS) {
-  check_arguments(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-                  cache_batch_idx, cache_leftpad, block_table, scale, is_causal,
-                  rotary_interleaved, window_left, window_right, softcap, alibi_slopes, sinks,
-                  cache_seqlens_sym);
+std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_meta(const ops::KVCacheArgs& a) {
+  const auto& [q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+               cache_batch_idx, cache_leftpad, block_table, scale, is_causal, rotary_interleaved,
+               window_left, window_right, softcap, alibi_slopes, sinks, cache_seqlens_sym] = a;
+  check_arguments(a);
   const auto lse_dtype = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   return {at::empty_symint({q.sym_size(0), q.sym_size(1), q.sym_size(2), v_cache.sym_size(3)},
                            q.options()),
@@ -657,30 +648,20 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_meta(KVCACHE_OP_ARGS) 
 // Inference only: below autograd, so the outputs record nothing (as under
 // torch.no_grad()), whatever requires grad. (A kernel of our own, not the
 // boxed fallback: one decoding step pays for each dispatch.)
-std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_autograd(KVCACHE_OP_ARGS) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("fusedmha::attention_with_kvcache", "")
-                             .typed<decltype(attention_with_kvcache_autograd)>();
+std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_autograd(const ops::KVCacheArgs& a) {
+  static const auto op = ops::find_op<ops::KVCacheArgs>();
   const at::AutoDispatchBelowAutograd below_autograd;  // (in-place ops below still bump versions)
-  return op.call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-                 cache_batch_idx, cache_leftpad, block_table, scale, is_causal,
-                 rotary_interleaved, window_left, window_right, softcap, alibi_slopes, sinks,
-                 cache_seqlens_sym);
+  return op.call(a.q, a.k_cache, a.v_cache, a.k, a.v, a.rotary_cos, a.rotary_sin, a.cache_seqlens,
+                 a.cache_batch_idx, a.cache_leftpad, a.block_table, a.scale, a.is_causal,
+                 a.rotary_interleaved, a.window_left, a.window_right, a.softcap, a.alibi_slopes,
+                 a.sinks, a.cache_seqlens_value);
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(fusedmha, CPU, m) {
-  m.impl("attention_with_kvcache", TORCH_FN(attention_with_kvcache_kernel));
-}
-TORCH_LIBRARY_IMPL(fusedmha, CUDA, m) {
-  m.impl("attention_with_kvcache", TORCH_FN(attention_with_kvcache_kernel));
-}
-TORCH_LIBRARY_IMPL(fusedmha, Meta, m) {
-  m.impl("attention_with_kvcache", TORCH_FN(attention_with_kvcache_meta));
-}
-TORCH_LIBRARY_IMPL(fusedmha, Autograd, m) {
-  m.impl("attention_with_kvcache", TORCH_FN(attention_with_kvcache_autograd));
-}
+TORCH_LIBRARY_IMPL(fusedmha, CPU, m) { FUSEDMHA_OP_IMPL(m, attention_with_kvcache_kernel); }
+TORCH_LIBRARY_IMPL(fusedmha, CUDA, m) { FUSEDMHA_OP_IMPL(m, attention_with_kvcache_kernel); }
+TORCH_LIBRARY_IMPL(fusedmha, Meta, m) { FUSEDMHA_OP_IMPL(m, attention_with_kvcache_meta); }
+TORCH_LIBRARY_IMPL(fusedmha, Autograd, m) { FUSEDMHA_OP_IMPL(m, attention_with_kvcache_autograd); }
 
 }  // namespace fusedmha

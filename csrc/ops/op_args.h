@@ -15,9 +15,8 @@
 // one argument in each of the three conversions below (SplitAtVariants,
 // schema_args, variants_from_ivalue).
 
-#include <fusedmha/attention.h>
-
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <fusedmha/attention.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -127,17 +126,46 @@ struct VarlenBackwardArgs {
   const OptTensor& grad_logsumexp;
 };
 
+// fusedmha::attention_with_kvcache (whose schema is its own: FlashAttention's
+// flash_attn_with_kvcache, the variants aligned bottom-right).
+struct KVCacheArgs {
+  const at::Tensor& q;
+  at::Tensor& k_cache;
+  at::Tensor& v_cache;
+  const OptTensor& k;
+  const OptTensor& v;
+  const OptTensor& rotary_cos;
+  const OptTensor& rotary_sin;
+  const OptTensor& cache_seqlens;
+  const OptTensor& cache_batch_idx;
+  const OptTensor& cache_leftpad;
+  const OptTensor& block_table;
+  std::optional<double> scale;
+  bool is_causal;
+  bool rotary_interleaved;
+  int64_t window_left;
+  int64_t window_right;
+  double softcap;
+  const OptTensor& alibi_slopes;
+  const OptTensor& sinks;
+  std::optional<c10::SymInt> cache_seqlens_value;
+
+  AttentionVariants variants() const {
+    return {window_left, window_right, /*bottom_right=*/true, softcap, alibi_slopes, sinks};
+  }
+};
+
 // Each record's op: its name and its C++ form, the public function of
 // <fusedmha/attention.h> (the schema's arguments, the variants as one).
 template <typename Args>
 struct OpOf;
 
-#define FUSEDMHA_OP_OF(ARGS, NAME)                          \
-  template <>                                               \
-  struct OpOf<ARGS> {                                       \
-    static constexpr const char* kName = #NAME;             \
+#define FUSEDMHA_OP_OF(ARGS, NAME)                                    \
+  template <>                                                         \
+  struct OpOf<ARGS> {                                                 \
+    static constexpr const char* kName = #NAME;                       \
     static constexpr const char* kQualifiedName = "fusedmha::" #NAME; \
-    using Function = decltype(::fusedmha::NAME);            \
+    using Function = decltype(::fusedmha::NAME);                      \
   };
 FUSEDMHA_OP_OF(SdpaArgs, scaled_dot_product_attention)
 FUSEDMHA_OP_OF(ForwardArgs, attention_forward)
@@ -146,6 +174,19 @@ FUSEDMHA_OP_OF(WeightsArgs, attention_weights)
 FUSEDMHA_OP_OF(VarlenForwardArgs, varlen_attention_forward)
 FUSEDMHA_OP_OF(VarlenBackwardArgs, varlen_attention_backward)
 #undef FUSEDMHA_OP_OF
+
+// The schema of attention_with_kvcache, flat: no C++ function has its form
+// (fusedmha::attention_with_kvcache takes a KVCacheStep).
+template <>
+struct OpOf<KVCacheArgs> {
+  static constexpr const char* kName = "attention_with_kvcache";
+  static constexpr const char* kQualifiedName = "fusedmha::attention_with_kvcache";
+  using Function = std::tuple<at::Tensor, at::Tensor>(
+      const at::Tensor&, at::Tensor&, at::Tensor&, const OptTensor&, const OptTensor&,
+      const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&,
+      const OptTensor&, std::optional<double>, bool, bool, int64_t, int64_t, double,
+      const OptTensor&, const OptTensor&, std::optional<c10::SymInt>);
+};
 
 namespace op_args_detail {
 
@@ -176,6 +217,17 @@ struct SplitAtVariants<R, Types<B...>, const AttentionVariants&, A...> {
 
 template <typename R, typename... B, typename T, typename... A>
 struct SplitAtVariants<R, Types<B...>, T, A...> : SplitAtVariants<R, Types<B..., T>, A...> {};
+
+// A list without one (a schema of its own): the flat signature as it is.
+template <typename R, typename... B>
+struct SplitAtVariants<R, Types<B...>> {
+  using Flat = R(B...);
+
+  template <auto fn>
+  struct Kernel {
+    static R call(B... args) { return fn(std::forward<B>(args)...); }
+  };
+};
 
 template <typename F>
 struct Form;
@@ -213,7 +265,7 @@ struct OpKernel {
   static constexpr auto kFlat = &Form::Split::template Kernel<kRecord>::call;
 };
 
-#define FUSEDMHA_OP_IMPL(m, fn)                                                         \
+#define FUSEDMHA_OP_IMPL(m, fn)                                                  \
   (m).impl(::fusedmha::ops::OpOf<::fusedmha::ops::OpKernel<&(fn)>::Args>::kName, \
            TORCH_FN(::fusedmha::ops::OpKernel<&(fn)>::kFlat))
 
@@ -244,13 +296,17 @@ auto schema_args(T&& arg) {
 // back: how autograd keeps them for the backward.
 inline c10::IValue variants_ivalue(const AttentionVariants& v) {
   return std::apply(
-      [](const auto&... arg) { return c10::IValue(c10::ivalue::Tuple::create(c10::IValue(arg)...)); },
+      [](const auto&... arg) {
+        return c10::IValue(c10::ivalue::Tuple::create(c10::IValue(arg)...));
+      },
       op_args_detail::schema_args(v));
 }
 
 inline AttentionVariants variants_from_ivalue(const c10::IValue& value) {
   const auto& e = value.toTupleRef().elements();
-  auto tensor = [](const c10::IValue& t) { return t.isNone() ? OptTensor() : OptTensor(t.toTensor()); };
+  auto tensor = [](const c10::IValue& t) {
+    return t.isNone() ? OptTensor() : OptTensor(t.toTensor());
+  };
   return {e[0].toInt(), e[1].toInt(), e[2].toBool(), e[3].toDouble(), tensor(e[4]), tensor(e[5])};
 }
 

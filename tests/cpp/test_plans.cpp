@@ -2,11 +2,11 @@
 // level and cache size, computed by hand from the rules plan.cpp states:
 // the plans are host code, so they are tested here without any kernel.
 
-#include "cpu/plan.h"
-
 #include <gtest/gtest.h>
 
 #include <initializer_list>
+
+#include "cpu/plan.h"
 
 namespace fusedmha::cpu {
 namespace {
@@ -29,7 +29,8 @@ AttentionParams call(std::initializer_list<int64_t> outer, int64_t L, int64_t S,
   auto layout = [&](Matrix& m, int64_t rows) {
     m.row_stride = E;
     int64_t stride = rows * E;
-    for (int i = p.outer.dims - 1; i >= 0; --i) m.outer_stride[i] = stride, stride *= p.outer.size[i];
+    for (int i = p.outer.dims - 1; i >= 0; --i)
+      m.outer_stride[i] = stride, stride *= p.outer.size[i];
   };
   layout(p.q, L), layout(p.k, S), layout(p.v, S), layout(p.out, L);
   return p;
