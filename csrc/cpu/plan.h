@@ -43,7 +43,9 @@ CacheSizes this_cpu_caches();
 
 // Decoding splits a sequence's keys into chunks of at least this many (a
 // split costs a merge pass); the kernel rounds each chunk to whole blocks.
-inline constexpr int64_t kMinChunkKeys = 256;
+// (Not inline: a constant of internal linkage defines no symbol the per-ISA
+// objects could share with baseline code, cmake/CheckNoSharedSymbols.cmake.)
+constexpr int64_t kMinChunkKeys = 256;
 
 // The forward's work split: one item = split.heads outer indices over one
 // block of query rows, or for decoding (split.decode) a group of heads over
