@@ -372,7 +372,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_autograd(const 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_forward_autograd(
     const VarlenForwardArgs& a) {
   check_slopes_need_no_grad(kVarlenForwardOp, a.variants.alibi_slopes);
-  const PackedBatch batch = packed_batch(a);
   if (records_nothing(
           {&a.query, &a.key, &a.value, &a.cu_seqlens_q, &a.cu_seqlens_k},
           {&a.variants.alibi_slopes, &a.variants.sinks, &a.seqused_k, &a.block_table})) {
@@ -383,8 +382,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_forward_autograd
   }
   const SavedCall call{std::nullopt, a.dropout_p,         a.is_causal,
                        a.scale,      /*enable_gqa=*/true, a.variants};
-  auto outputs =
-      VarlenAttentionFunction::apply(a.query, a.key, a.value, batch, call, a.variants.sinks);
+  auto outputs = VarlenAttentionFunction::apply(a.query, a.key, a.value, packed_batch(a), call,
+                                                a.variants.sinks);
   return {outputs[0], outputs[1], outputs[2]};
 }
 
