@@ -326,7 +326,39 @@ struct BackwardParams {
   int64_t grad_q_split_stride = 0;
   Matrix grad_k;
   Matrix grad_v;
+  // The gradient of a float mask (data null: not asked for), acc_t, zeroed:
+  // dS = P ∘ (dP − D) of each score, taken where the mask is added (after
+  // softcap and ALiBi), summed into the mask's own elements. It broadcasts
+  // (stride 0) wherever the mask does, so several outer indices, rows or
+  // columns may sum into one element (see outer_of_member).
+  Matrix grad_mask;
 };
+
+// The outer indices whose mask gradients share memory: those that differ
+// only along the outer dims where bp.grad_mask has stride 0. Group g's
+// member m is outer index outer_of_member(bp, g, m), members ascending
+// along those dims; groups and members each count from 0, and there are
+// shared_mask_members(bp) members per group.
+FUSEDMHA_HOST_DEVICE int64_t shared_mask_members(const BackwardParams& bp) {
+  int64_t members = 1;
+  if (!bp.grad_mask.data) return members;
+  for (int d = 0; d < bp.fwd.outer.dims; ++d) {
+    if (bp.grad_mask.outer_stride[d] == 0) members *= bp.fwd.outer.size[d];
+  }
+  return members;
+}
+FUSEDMHA_HOST_DEVICE int64_t outer_of_member(const BackwardParams& bp, int64_t g, int64_t m) {
+  if (!bp.grad_mask.data) return g;
+  int64_t o = 0, place = 1;
+  for (int d = bp.fwd.outer.dims - 1; d >= 0; --d) {
+    const int64_t size = bp.fwd.outer.size[d];
+    int64_t& digits = bp.grad_mask.outer_stride[d] == 0 ? m : g;
+    o += digits % size * place;
+    digits /= size;
+    place *= size;
+  }
+  return o;
+}
 
 // bp narrowed to the sequence of outer index o (see sequence_of).
 FUSEDMHA_HOST_DEVICE BackwardParams sequence_of(const BackwardParams& bp, int64_t o) {

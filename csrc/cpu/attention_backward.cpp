@@ -2,7 +2,8 @@
 // varlen_attention_backward: check, fill the params, plan how
 // to split the keys (cpu/plan.h), allocate the per-head
 // gradients, run the work items on the threads, then sum the gradients
-// into the inputs' shapes (dQ slices, GQA groups, broadcast dims).
+// into the inputs' shapes (dQ slices, GQA groups, broadcast dims; the
+// mask's gradient is summed into its shape by the kernels themselves).
 
 #include <torch/library.h>
 
@@ -36,12 +37,11 @@ ops::DenseGradients run_backward(const ops::AttentionCall& call, BackwardParams 
   return grads;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(const ops::BackwardArgs& a) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
+    const ops::BackwardArgs& a) {
   ops::check_backward_inputs(ops::kBackwardOp, a);
   ops::AttentionCall call(ops::kBackwardOp, a);
-  return run_backward(call, call.backward(a.grad_out, a.out, a.logsumexp, a.rng_state, a.dropout_p,
-                                          a.grad_logsumexp))
-      .reduced_to(a.query, a.key, a.value);
+  return run_backward(call, call.backward(a)).reduced_to(a.query, a.key, a.value, a.attn_mask);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward_cpu(

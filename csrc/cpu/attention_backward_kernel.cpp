@@ -4,7 +4,8 @@
 // vector lanes). The key blocks of each batch·head are dealt into
 // grad_q_splits interleaved sets (set s takes blocks s, s + splits, ...);
 // one work item = one (batch·head, set), so a single (batch, head) still
-// spreads over every thread. For each key block, and each block of queries
+// spreads over every thread (or the batch·heads that share a mask
+// gradient's elements, in turn, and a set). For each key block, and each block of queries
 // that can see those keys, it recomputes, never storing L×S:
 //   Pᵀ  = exp(K·(scale·Q)ᵀ − lse)          (masks as in the forward)
 //   Zᵀ  = Pᵀ ∘ M                          (M: the forward's dropout factors,
@@ -15,6 +16,9 @@
 //   dK += dSᵀ·Q             (times scale at the end)
 //   dQ += dSᵀᵀ·K            (into the set's own slice of grad_q; the host
 //                            adds the slices, so no two threads share memory)
+//   dMask += dS             (a float mask's gradient, when asked for: summed
+//                            into the mask's shape; an item takes all the outer
+//                            indices that sum into the same elements)
 // with the same register-blocked micro-kernels, accumulating in fp32 (fp64
 // for double).
 
@@ -82,15 +86,25 @@ class BackwardKernel {
   static constexpr int64_t w = Vec::size();
 
   BackwardKernel(const BackwardParams& bp, const WorkSplit& split, Arena<acc_t> arena)
-      : bp_(bp), p_(bp_.fwd), split_(split), tiles_(bp_.fwd), ws_(bp, split, arena) {}
+      : call_(bp), bp_(bp), p_(bp_.fwd), split_(split), tiles_(bp_.fwd), ws_(bp, split, arena) {}
 
+  // The item's key blocks, each for its members in turn (members > 1: the
+  // outer indices that share a mask gradient's elements, which then sum
+  // in one fixed order).
   void run(int64_t item) {
-    const int64_t splits = bp_.grad_q_splits;
-    const int64_t o = item / splits, set = item % splits;
-    bp_ = sequence_of(bp_, o);
-    acc_t* grad_q = matrix_start<acc_t>(p_.outer, bp_.grad_q, o) + set * bp_.grad_q_split_stride;
-    const int64_t nkb = div_up(p_.len_kv, split_.block_kv);
-    for (int64_t kb = set; kb < nkb; kb += splits) key_block(o, kb * split_.block_kv, grad_q);
+    const int64_t splits = call_.grad_q_splits;
+    const int64_t group = item / splits, set = item % splits;
+    const int64_t nkb = div_up(call_.fwd.len_kv, split_.block_kv);
+    for (int64_t kb = set; kb < nkb; kb += splits) {
+      for (int64_t m = 0; m < split_.members; ++m) {
+        const int64_t o = outer_of_member(call_, group, m);
+        bp_ = sequence_of(call_, o);
+        if (kb * split_.block_kv >= p_.len_kv) continue;  // (past a shorter sequence's keys)
+        acc_t* grad_q =
+            matrix_start<acc_t>(p_.outer, bp_.grad_q, o) + set * bp_.grad_q_split_stride;
+        key_block(o, kb * split_.block_kv, grad_q);
+      }
+    }
   }
 
  private:
@@ -148,6 +162,8 @@ class BackwardKernel {
           cols, bq, Ev, v, ldv, [&](int64_t c) { return ws_.dot + c * Ev; }, nr, ws_.dst, bq);
       if (p_.dropout.on()) Tiles::scale_by(ws_.dst, ws_.dm, cols, bq);
       score_gradients(cols, bq);
+      if (bp_.grad_mask.data) add_mask_gradient(o, q0, rows, bq, k0, cols);
+      if (ws_.dcap) Tiles::scale_by(ws_.dst, ws_.dcap, cols, bq);
       // dK += dSᵀ·Q
       gemm<acc_t, /*kRowsOfA=*/true, /*kAccumulate=*/true>(
           cols, ws_.dqk, rows, ws_.dst, bq, [&](int64_t e) { return q + e; }, ldq, ws_.dk,
@@ -213,16 +229,28 @@ class BackwardKernel {
     }
   }
 
-  // dSᵀ = Pᵀ ∘ (dPᵀ − D), times d(capped)/d(score) with softcap.
+  // dSᵀ = Pᵀ ∘ (dPᵀ − D): the gradient of the scores where the mask is
+  // added (the softcap's factor comes after).
   void score_gradients(int64_t cols, int64_t bq) {
     for (int64_t c = 0; c < bq; c += w) {
       const Vec d = Vec::loadu(ws_.d + c);
       for (int64_t j = 0; j < cols; ++j) {
         acc_t* ds = ws_.dst + j * bq + c;
-        Vec g = Vec::loadu(ws_.pt + j * bq + c) * (Vec::loadu(ds) - d);
-        if (ws_.dcap) g = g * Vec::loadu(ws_.dcap + j * bq + c);
-        g.store(ds);
+        (Vec::loadu(ws_.pt + j * bq + c) * (Vec::loadu(ds) - d)).store(ds);
       }
+    }
+  }
+
+  // dS of queries q0.. (rows) and keys k0.. (cols) added into the mask's
+  // gradient, transposed from the tile's keys-by-queries layout. Where the
+  // gradient broadcasts (stride 0) the terms sum into one element.
+  void add_mask_gradient(int64_t o, int64_t q0, int64_t rows, int64_t bq, int64_t k0,
+                         int64_t cols) {
+    const Matrix& g = bp_.grad_mask;
+    acc_t* first = matrix_start<acc_t>(p_.outer, g, o) + q0 * g.row_stride + k0 * g.col_stride;
+    for (int64_t i = 0; i < rows; ++i) {
+      acc_t* row = first + i * g.row_stride;
+      for (int64_t j = 0; j < cols; ++j) row[j * g.col_stride] += ws_.dst[j * bq + i];
     }
   }
 
@@ -249,8 +277,9 @@ class BackwardKernel {
     }
   }
 
-  BackwardParams bp_;  // a copy: run() narrows it to the item's sequence
-  const AttentionParams& p_;  // bp_.fwd
+  const BackwardParams call_;  // the whole call
+  BackwardParams bp_;          // call_ narrowed to an outer index's sequence
+  const AttentionParams& p_;   // bp_.fwd
   const WorkSplit& split_;
   Tiles tiles_;
   BackwardWorkspace<acc_t> ws_;

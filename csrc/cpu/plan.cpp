@@ -235,13 +235,22 @@ WorkSplit plan_backward(BackwardParams& bp, const KernelTraits& isa, int64_t thr
   split.block_kv = paged_block(
       p, band_block(p, work_block(p.len_kv, p.num_outer, threads, isa.micro_rows, kMaxBlockKV),
                     isa.micro_rows));
+  // The outer indices that sum into the same elements of a mask's gradient
+  // (a mask broadcast over batch or heads) are one item's, taken in turn:
+  // each element then has one writer and one order of summation, with no
+  // copy of the gradient per thread.
+  split.members = shared_mask_members(bp);
+  const int64_t groups = p.num_outer / std::max<int64_t>(split.members, 1);
   // Enough sets of key blocks that every thread gets about two items; each
   // set beyond the first costs a (len_q × E) slice of dQ per outer index,
-  // so with many outer indices there is one set (no extra memory).
+  // so with many outer indices there is one set (no extra memory). A mask
+  // gradient that broadcasts over the keys takes one set: every key block
+  // sums into it.
   const int64_t key_blocks = div_up(p.len_kv, split.block_kv);
-  bp.grad_q_splits = std::clamp<int64_t>(div_up(2 * threads, std::max<int64_t>(p.num_outer, 1)), 1,
+  bp.grad_q_splits = std::clamp<int64_t>(div_up(2 * threads, std::max<int64_t>(groups, 1)), 1,
                                          std::max<int64_t>(key_blocks, 1));
-  split.items = p.len_kv > 0 ? p.num_outer * bp.grad_q_splits : 0;
+  if (bp.grad_mask.data && bp.grad_mask.col_stride == 0) bp.grad_q_splits = 1;
+  split.items = p.len_kv > 0 ? groups * bp.grad_q_splits : 0;
   return split;
 }
 

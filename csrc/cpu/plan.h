@@ -53,8 +53,9 @@ constexpr int64_t kMinChunkKeys = 256;
 WorkSplit plan_forward(const AttentionParams& p, const KernelTraits& isa, const CacheSizes& caches,
                        int64_t threads);
 
-// The backward's: one item = one outer index over one set of key blocks;
-// sets bp.grad_q_splits (the sets per outer index, each with a dQ slice).
+// The backward's: one item = split.members outer indices (those sharing a
+// mask gradient's memory, else one) over one set of key blocks; sets
+// bp.grad_q_splits (the sets per outer index, each with a dQ slice).
 WorkSplit plan_backward(BackwardParams& bp, const KernelTraits& isa, int64_t threads);
 
 // The weights pass's: one item = heads_per_item outer indices over one

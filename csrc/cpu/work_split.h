@@ -34,6 +34,9 @@ struct WorkSplit {
   // prefill, long drafts): each head's rows in row_splits panels.
   int64_t row_splits = 1;
   int64_t kv_splits = 1;
+  // The backward: outer indices per item, those whose mask gradients share
+  // memory (outer_of_member), taken one after another by one thread.
+  int64_t members = 1;
   size_t partial_bytes = 0;
   void* partials = nullptr;
 };

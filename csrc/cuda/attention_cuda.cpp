@@ -199,14 +199,18 @@ ops::DenseGradients run_backward(ops::AttentionCall& call, BackwardParams bp,
   return grads;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(const ops::BackwardArgs& a) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
+    const ops::BackwardArgs& a) {
   ops::check_backward_inputs(ops::kBackwardOp, a);
   const c10::cuda::CUDAGuard guard(a.query.device());
   const bool tensor_cores = use_tensor_cores_in_backward(a.query, a.value);
   ops::AttentionCall call(ops::kBackwardOp, a, row_layout(tensor_cores));
-  const BackwardParams bp = call.backward(a.grad_out, a.out, a.logsumexp, a.rng_state, a.dropout_p);
+  // (grad_logsumexp goes into D, which the CUDA host computes.)
+  const BackwardParams bp =
+      call.backward(a.grad_out, a.out, a.logsumexp, a.rng_state, a.dropout_p, std::nullopt,
+                    a.grad_attn_mask ? a.attn_mask : std::nullopt);
   return run_backward(call, bp, a.grad_out, a.out, a.grad_logsumexp, a.query, tensor_cores)
-      .reduced_to(a.query, a.key, a.value);
+      .reduced_to(a.query, a.key, a.value, a.attn_mask);
 }
 
 // A packed batch's lengths are not read on the host (that would wait for

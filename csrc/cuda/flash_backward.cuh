@@ -57,6 +57,8 @@ __global__ void __launch_bounds__(kThreads) kernel(const BackwardParams params) 
   const auto lse = lse_rows<const float>(p, p.lse, o);
   const auto delta = lse_rows<const float>(p, bp.delta, o);
   float* grad_q = matrix_start<float>(p.outer, bp.grad_q, o);
+  // The mask's gradient, summed with atomics (it may broadcast over CTAs).
+  float* grad_mask = bp.grad_mask.data ? matrix_start<float>(p.outer, bp.grad_mask, o) : nullptr;
 
   k_tile.template load_async<kThreads>(static_cast<const T*>(p.k.data) + outer_offset(p.outer, p.k, o) + k0 * p.k.row_stride,
                                        p.k.row_stride, kv_rows, dk, tid);
@@ -165,7 +167,11 @@ __global__ void __launch_bounds__(kThreads) kernel(const BackwardParams params) 
             dp = keep ? dp * keep_scale : 0.0f;
           }
           pt[e] = pd;
-          ds[e] = pr * (dp - delta_s[qc + e]) * dcap;
+          ds[e] = pr * (dp - delta_s[qc + e]);
+          if (grad_mask && pr != 0.0f) {
+            atomicAdd(grad_mask + i * bp.grad_mask.row_stride + j * bp.grad_mask.col_stride, ds[e]);
+          }
+          ds[e] *= dcap;
         }
         *reinterpret_cast<uint32_t*>(pt_tile.at(kr, qc)) = pack2<T>(pt[0], pt[1]);
         *reinterpret_cast<uint32_t*>(dst_tile.at(kr, qc)) = pack2<T>(ds[0], ds[1]);

@@ -251,6 +251,10 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) backward_dkdv_kernel(cons
   }
   const auto lse = lse_rows<const A>(p, p.lse, o);
   const auto delta = lse_rows<const A>(p, bp.delta, o);
+  // The mask's gradient, summed with atomics (it may broadcast over warps).
+  A* grad_mask = bp.grad_mask.data
+                     ? matrix_start<A>(p.outer, bp.grad_mask, o) + j * bp.grad_mask.col_stride
+                     : nullptr;
 
   // Only the queries whose band sees key j.
   const A slope = static_cast<A>(alibi_slope(p, o));
@@ -262,7 +266,9 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) backward_dkdv_kernel(cons
     if (el.p == A(0)) continue;  // (warp-uniform)
     const T* do_row = dout + i * bp.grad_out.row_stride;
     const A dp = dot_row<T, A>(v_s, do_row, 1, dv, lane);
-    const A ds = el.p * (dp * el.z - delta[i]) * el.dcap * scale;
+    const A ds_mask = el.p * (dp * el.z - delta[i]);  // (the gradient where the mask is added)
+    if (grad_mask && lane == 0) atomicAdd(grad_mask + i * bp.grad_mask.row_stride, ds_mask);
+    const A ds = ds_mask * el.dcap * scale;
     const A pd = el.p * el.z;
     for (int e = lane; e < dv; e += 32) dv_s[e] += pd * to_acc<A>(do_row[e]);
     for (int e = lane; e < dk; e += 32) dk_s[e] += ds * to_acc<A>(q_row[e]);

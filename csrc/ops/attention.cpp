@@ -71,15 +71,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward(
                       variants, dropout_state);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
     const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
     const at::Tensor& rng_state, const OptTensor& attn_mask, double dropout_p, bool is_causal,
     std::optional<double> scale, bool enable_gqa, const AttentionVariants& variants,
-    const OptTensor& grad_logsumexp) {
+    const OptTensor& grad_logsumexp, bool grad_attn_mask) {
   static const auto op = ops::find_op<ops::BackwardArgs>();
   return ops::call_op(op, grad_out, query, key, value, out, logsumexp, rng_state, attn_mask,
-                      dropout_p, is_causal, scale, enable_gqa, variants, grad_logsumexp);
+                      dropout_p, is_causal, scale, enable_gqa, variants, grad_logsumexp,
+                      grad_attn_mask);
 }
 
 at::Tensor attention_weights(const at::Tensor& query, const at::Tensor& key,

@@ -69,18 +69,18 @@ at::Tensor sinks_gradient(const at::Tensor& sinks, const at::Tensor& lse,
   return at::sum_to(per_head, sinks.sizes()).to(sinks.scalar_type());
 }
 
-// Called before Function::apply, which runs forward with grad mode off.
-void check_mask_needs_no_grad(const char* op, const std::optional<at::Tensor>& attn_mask) {
-  TORCH_CHECK(!attn_mask.has_value() || !attn_mask->requires_grad() || !at::GradMode::is_enabled(),
-              op,
-              ": gradients with respect to a float "
-              "attn_mask are not supported; pass attn_mask.detach()");
+// Whether a float mask's gradient is asked for (Function::apply runs
+// forward with grad mode off: read before it).
+bool mask_needs_grad(const std::optional<at::Tensor>& attn_mask) {
+  return attn_mask.has_value() && attn_mask->requires_grad() && at::GradMode::is_enabled();
 }
 
 class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& query, const at::Tensor& key,
-                               const at::Tensor& value, const SavedCall& call,
+                               const at::Tensor& value,
+                               const std::optional<at::Tensor>& /*attn_mask*/,
+                               const SavedCall& call, bool mask_grad,
                                const std::optional<at::Tensor>& /*sinks*/,
                                const std::optional<at::Tensor>& dropout_state) {
     at::AutoDispatchBelowADInplaceOrView guard;
@@ -92,6 +92,7 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     ctx->mark_non_differentiable({rng_state});
     ctx->save_for_backward({query, key, value, out, lse, rng_state});
     call.save(ctx);
+    ctx->saved_data["mask_grad"] = mask_grad;
     return {out, lse, rng_state};
   }
 
@@ -102,18 +103,22 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     const SavedCall call = SavedCall::load(ctx);
     const std::optional<at::Tensor> grad_lse =
         grads[1].defined() ? std::optional<at::Tensor>(grads[1]) : std::nullopt;
-    auto [dq, dk, dv] = fusedmha::attention_backward(
+    const bool mask_grad = ctx->saved_data["mask_grad"].toBool();
+    auto [dq, dk, dv, dmask] = fusedmha::attention_backward(
         grad_out, saved[0], saved[1], saved[2], out, saved[4], saved[5], call.attn_mask,
-        call.dropout_p, call.is_causal, call.scale, call.enable_gqa, call.variants, grad_lse);
-    variable_list result(6);  // (query, key, value, call, sinks, dropout_state)
+        call.dropout_p, call.is_causal, call.scale, call.enable_gqa, call.variants, grad_lse,
+        mask_grad);
+    // (query, key, value, attn_mask, call, mask_grad, sinks, dropout_state)
+    variable_list result(8);
     result[0] = dq;
     result[1] = dk;
     result[2] = dv;
+    if (mask_grad) result[3] = dmask;
     if (call.variants.sinks.has_value()) {
       const auto acc = saved[4].scalar_type();
       at::Tensor row_terms = grad_out.to(acc).mul(out.to(acc)).sum(-1);
       if (grad_lse.has_value()) row_terms = row_terms.sub(grad_lse->to(acc));
-      result[4] = sinks_gradient(*call.variants.sinks, saved[4], row_terms);
+      result[6] = sinks_gradient(*call.variants.sinks, saved[4], row_terms);
     }
     return result;
   }
@@ -128,12 +133,13 @@ class AttentionBackwardFunction : public torch::autograd::Function<AttentionBack
                                const at::Tensor& value, const at::Tensor& out,
                                const at::Tensor& logsumexp, const at::Tensor& rng_state,
                                const SavedCall& call,
-                               const std::optional<at::Tensor>& grad_logsumexp) {
+                               const std::optional<at::Tensor>& grad_logsumexp,
+                               bool grad_attn_mask) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [dq, dk, dv] = fusedmha::attention_backward(
+    auto [dq, dk, dv, dmask] = fusedmha::attention_backward(
         grad_out, query, key, value, out, logsumexp, rng_state, call.attn_mask, call.dropout_p,
-        call.is_causal, call.scale, call.enable_gqa, call.variants, grad_logsumexp);
-    return {dq, dk, dv};
+        call.is_causal, call.scale, call.enable_gqa, call.variants, grad_logsumexp, grad_attn_mask);
+    return {dq, dk, dv, dmask};
   }
 
   static variable_list backward(AutogradContext*, variable_list) {
@@ -153,7 +159,8 @@ class AttentionWeightsFunction : public torch::autograd::Function<AttentionWeigh
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& query, const at::Tensor& key,
                                const at::Tensor& logsumexp, const at::Tensor& rng_state,
-                               const SavedCall& call, bool average_heads,
+                               const std::optional<at::Tensor>& /*attn_mask*/,
+                               const SavedCall& call, bool mask_grad, bool average_heads,
                                const std::optional<at::Tensor>& /*sinks*/) {
     at::AutoDispatchBelowADInplaceOrView guard;
     at::Tensor weights = fusedmha::attention_weights(
@@ -162,11 +169,13 @@ class AttentionWeightsFunction : public torch::autograd::Function<AttentionWeigh
     ctx->save_for_backward({query, key, logsumexp, rng_state});
     call.save(ctx);
     ctx->saved_data["average_heads"] = average_heads;
+    ctx->saved_data["mask_grad"] = mask_grad;
     return {weights};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    variable_list result(7);  // (query, key, logsumexp, rng_state, call, average_heads, sinks)
+    // (query, key, logsumexp, rng_state, attn_mask, call, mask_grad, average_heads, sinks)
+    variable_list result(9);
     if (!grads[0].defined()) return result;
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor &query = saved[0], &key = saved[1], &lse = saved[2];
@@ -198,6 +207,10 @@ class AttentionWeightsFunction : public torch::autograd::Function<AttentionWeigh
     // The gradient of the scores after softcap, ALiBi and masks (those add
     // constants, or zero P).
     at::Tensor grad_scores = grad_kept.sub(probs.mul(row_sums));
+    if (ctx->saved_data["mask_grad"].toBool()) {
+      result[4] = mask_gradient(*call.attn_mask,
+                                at::sum_to(grad_scores, mask_gradient_sums_shape(*call.attn_mask)));
+    }
 
     at::Tensor k = k_acc;
     if (key.dim() >= 3 && k.size(-3) != 1 && k.size(-3) != grad_scores.size(-3)) {
@@ -213,7 +226,7 @@ class AttentionWeightsFunction : public torch::autograd::Function<AttentionWeigh
     result[0] = reduce_to_input(grad_scores.matmul(k), query);
     result[1] = reduce_to_input(grad_scores.transpose(-2, -1).matmul(q), key);
     if (call.variants.sinks.has_value()) {
-      result[6] = sinks_gradient(*call.variants.sinks, lse, row_sums.squeeze(-1));
+      result[8] = sinks_gradient(*call.variants.sinks, lse, row_sums.squeeze(-1));
     }
     return result;
   }
@@ -339,22 +352,23 @@ bool records_nothing(std::initializer_list<const at::Tensor*> tensors,
 }
 
 at::Tensor attention_weights_autograd(const WeightsArgs& a) {
-  check_mask_needs_no_grad(kWeightsOp, a.attn_mask);
   check_slopes_need_no_grad(kWeightsOp, a.variants.alibi_slopes);
   const SavedCall call{a.attn_mask, a.dropout_p, a.is_causal, a.scale, a.enable_gqa, a.variants};
-  return AttentionWeightsFunction::apply(a.query, a.key, a.logsumexp, a.rng_state, call,
-                                         a.average_heads, a.variants.sinks)[0];
+  return AttentionWeightsFunction::apply(a.query, a.key, a.logsumexp, a.rng_state, a.attn_mask,
+                                         call, mask_needs_grad(a.attn_mask), a.average_heads,
+                                         a.variants.sinks)[0];
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_autograd(const BackwardArgs& a) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_autograd(
+    const BackwardArgs& a) {
   const SavedCall call{a.attn_mask, a.dropout_p, a.is_causal, a.scale, a.enable_gqa, a.variants};
-  auto grads = AttentionBackwardFunction::apply(a.grad_out, a.query, a.key, a.value, a.out,
-                                                a.logsumexp, a.rng_state, call, a.grad_logsumexp);
-  return {grads[0], grads[1], grads[2]};
+  auto grads =
+      AttentionBackwardFunction::apply(a.grad_out, a.query, a.key, a.value, a.out, a.logsumexp,
+                                       a.rng_state, call, a.grad_logsumexp, a.grad_attn_mask);
+  return {grads[0], grads[1], grads[2], grads[3]};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_autograd(const ForwardArgs& a) {
-  check_mask_needs_no_grad(kForwardOp, a.attn_mask);
   check_slopes_need_no_grad(kForwardOp, a.variants.alibi_slopes);
   if (records_nothing({&a.query, &a.key, &a.value}, {&a.attn_mask, &a.variants.alibi_slopes,
                                                      &a.variants.sinks, &a.dropout_state})) {
@@ -365,7 +379,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_autograd(const 
   }
   const SavedCall call{a.attn_mask, a.dropout_p, a.is_causal, a.scale, a.enable_gqa, a.variants};
   auto outputs =
-      AttentionFunction::apply(a.query, a.key, a.value, call, a.variants.sinks, a.dropout_state);
+      AttentionFunction::apply(a.query, a.key, a.value, a.attn_mask, call,
+                               mask_needs_grad(a.attn_mask), a.variants.sinks, a.dropout_state);
   return {outputs[0], outputs[1], outputs[2]};
 }
 

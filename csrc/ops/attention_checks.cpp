@@ -166,9 +166,12 @@ static void check_attention_inputs(const char* op,
 
 void check_backward_inputs(const char* op, const BackwardArgs& a) {
   const auto& [grad_out, query, key, value, out, logsumexp, rng_state, attn_mask, dropout_p,
-               is_causal, scale, enable_gqa, variants, grad_logsumexp] = a;
+               is_causal, scale, enable_gqa, variants, grad_logsumexp, grad_attn_mask] = a;
   check_attention_inputs(op, query, key, value, attn_mask, dropout_p, scale, enable_gqa,
                          variants);
+  TORCH_CHECK(!grad_attn_mask || (attn_mask.has_value() && attn_mask->scalar_type() != at::kBool),
+              op, ": grad_attn_mask=True needs a float attn_mask, got ",
+              attn_mask.has_value() ? "a bool one" : "none");
   check_saved_state(op, query, key, value, logsumexp, rng_state, enable_gqa);
   check_grad_logsumexp(op, grad_logsumexp, logsumexp);
   const at::Tensor expected_out = std::get<0>(allocate_attention_outputs(

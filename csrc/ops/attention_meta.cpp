@@ -27,9 +27,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gradients_like(const at::Tensor& 
           at::empty_symint(value.sym_sizes(), value.options())};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_meta(const BackwardArgs& a) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_meta(
+    const BackwardArgs& a) {
   check_backward_inputs(kBackwardOp, a);
-  return gradients_like(a.query, a.key, a.value);
+  auto [dq, dk, dv] = gradients_like(a.query, a.key, a.value);
+  at::Tensor dmask = a.grad_attn_mask ? mask_gradient(*a.attn_mask, std::nullopt)
+                                      : at::empty({0}, a.query.options());
+  return {dq, dk, dv, dmask};
 }
 
 at::Tensor attention_weights_meta(const WeightsArgs& a) {

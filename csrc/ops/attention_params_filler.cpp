@@ -393,7 +393,8 @@ AttentionParams AttentionCall::forward(const at::Tensor& out, const at::Tensor& 
 BackwardParams AttentionCall::backward(const at::Tensor& grad_out, const at::Tensor& out,
                                        const at::Tensor& logsumexp, const at::Tensor& rng_state,
                                        double dropout_p,
-                                       const std::optional<at::Tensor>& grad_logsumexp) {
+                                       const std::optional<at::Tensor>& grad_logsumexp,
+                                       const std::optional<at::Tensor>& grad_mask) {
   BackwardParams bp;
   bp.fwd = inputs_;
   bp.fwd.out = describe_in_layout(out, true);
@@ -404,6 +405,15 @@ BackwardParams AttentionCall::backward(const at::Tensor& grad_out, const at::Ten
   if (grad_logsumexp.has_value()) {
     kept_.push_back(grad_logsumexp->to(logsumexp.scalar_type()).contiguous());
     bp.grad_lse = describe_lse(kept_.back());
+  }
+  if (grad_mask.has_value()) {
+    // Allocated here, not with the other gradients: the backend's plan
+    // reads which outer indices share its elements. Read like the mask
+    // (its expanded dims now of size 1: broadcast).
+    mask_sums_ = allocate_mask_gradient_sums(
+        *grad_mask, query_.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
+    const bool per_head = mask_sums_->dim() >= 3 && mask_sums_->size(-3) > 1;
+    bp.grad_mask = group_ > 1 && per_head ? describe_packed(*mask_sums_) : describe(*mask_sums_);
   }
   return bp;
 }
@@ -443,6 +453,7 @@ DenseGradients AttentionCall::allocate_gradients(BackwardParams& bp) const {
   bp.grad_q_split_stride = g.q.stride(0);
   bp.grad_k = describe_rows(g.k, false);
   bp.grad_v = describe_rows(g.v, false);
+  g.mask_sums = mask_sums_;
   return g;
 }
 
@@ -471,6 +482,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> DenseGradients::reduced_to(
     return {dq.to(query.scalar_type()), per_kv_head(k, key), per_kv_head(v, value)};
   }
   return {reduce_to_input(dq, query), reduce_to_input(k, key), reduce_to_input(v, value)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> DenseGradients::reduced_to(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const std::optional<at::Tensor>& attn_mask) const {
+  auto [dq, dk, dv] = reduced_to(query, key, value);
+  at::Tensor dmask = mask_sums.has_value() ? mask_gradient(*attn_mask, mask_sums)
+                                           : at::empty({0}, query.options());
+  return {dq, dk, dv, dmask};
 }
 
 WeightsParams AttentionCall::weights(const at::Tensor& logsumexp, const at::Tensor& rng_state,

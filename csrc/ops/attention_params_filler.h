@@ -39,8 +39,11 @@ at::Tensor last_dim_contiguous(const at::Tensor& t);
 // zeroed; k and v are (outer..., S, E) and (outer..., S, Ev). For a packed
 // batch: (grad_q_splits, total_q, H, E), (total_k, H, E), (total_k, H, Ev),
 // all zeroed.
+// mask_sums, when the mask's gradient was asked for, is its sums
+// (allocate_mask_gradient_sums).
 struct DenseGradients {
   at::Tensor q, k, v;
+  std::optional<at::Tensor> mask_sums;
   bool packed_batch = false;
 
   // Summed over the dQ slices, grouped heads and broadcast dims into the
@@ -48,6 +51,11 @@ struct DenseGradients {
   std::tuple<at::Tensor, at::Tensor, at::Tensor> reduced_to(const at::Tensor& query,
                                                             const at::Tensor& key,
                                                             const at::Tensor& value) const;
+  // The same and the mask's gradient (mask_gradient), or an empty tensor
+  // where it was not asked for.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> reduced_to(
+      const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+      const std::optional<at::Tensor>& attn_mask) const;
 };
 
 // Whether a call decodes with grouped-query heads in a way the kernels can
@@ -128,11 +136,18 @@ class AttentionCall {
 
   // The backward pass of the forward call that returned out, logsumexp
   // and rng_state; gradient pointers are set by allocate_gradients once
-  // the backend has chosen bp.grad_q_splits.
+  // the backend has chosen bp.grad_q_splits. grad_mask: the float mask whose
+  // gradient is asked for (its sums allocated and described here).
   BackwardParams backward(const at::Tensor& grad_out, const at::Tensor& out,
                           const at::Tensor& logsumexp, const at::Tensor& rng_state,
                           double dropout_p,
-                          const std::optional<at::Tensor>& grad_logsumexp = std::nullopt);
+                          const std::optional<at::Tensor>& grad_logsumexp = std::nullopt,
+                          const std::optional<at::Tensor>& grad_mask = std::nullopt);
+  // The same for a BackwardArgs record.
+  BackwardParams backward(const BackwardArgs& a) {
+    return backward(a.grad_out, a.out, a.logsumexp, a.rng_state, a.dropout_p, a.grad_logsumexp,
+                    a.grad_attn_mask ? a.attn_mask : std::nullopt);
+  }
   DenseGradients allocate_gradients(BackwardParams& bp) const;
   // bp.delta, rowsum(grad_out ∘ out) − grad_lse, computed with ATen ops
   // (the CUDA kernels read it; the CPU kernels compute it per block).
@@ -186,10 +201,11 @@ class AttentionCall {
   const char* op_;  // the entry point, as error messages start
   at::Tensor query_;
   RowLayout layout_;
-  std::vector<int64_t> outer_shape_;  // batch dims..., heads (sizes 1 included)
-  int64_t group_ = 1;                 // query heads read as rows of one item (1: none)
-  bool packed_batch_ = false;         // q/k/v in FlashAttention's varlen layout
-  int64_t key_rows_ = 0;              // total_k of a packed batch
+  std::vector<int64_t> outer_shape_;     // batch dims..., heads (sizes 1 included)
+  int64_t group_ = 1;                    // query heads read as rows of one item (1: none)
+  bool packed_batch_ = false;            // q/k/v in FlashAttention's varlen layout
+  int64_t key_rows_ = 0;                 // total_k of a packed batch
+  std::optional<at::Tensor> mask_sums_;  // a backward call's mask gradient sums
   AttentionParams inputs_;
   std::vector<at::Tensor> kept_;
 };

@@ -169,6 +169,36 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_varlen_outputs(
   return {out, lse, rng_state};
 }
 
+namespace {
+
+// The mask's sizes with its expanded dims (stride 0, size > 1) as 1, and
+// how many elements each summed element stands for.
+std::pair<std::vector<c10::SymInt>, c10::SymInt> mask_sum_shape(const at::Tensor& mask) {
+  std::vector<c10::SymInt> sizes(mask.sym_sizes().begin(), mask.sym_sizes().end());
+  c10::SymInt shared = 1;
+  for (int64_t d = 0; d < mask.dim(); ++d) {
+    if (mask.sym_stride(d) == 0 && sizes[d] != 1) shared *= sizes[d], sizes[d] = 1;
+  }
+  return {sizes, shared};
+}
+
+}  // namespace
+
+std::vector<c10::SymInt> mask_gradient_sums_shape(const at::Tensor& mask) {
+  return mask_sum_shape(mask).first;
+}
+
+at::Tensor allocate_mask_gradient_sums(const at::Tensor& mask, at::ScalarType acc_dtype) {
+  return at::zeros_symint(mask_sum_shape(mask).first, mask.options().dtype(acc_dtype));
+}
+
+at::Tensor mask_gradient(const at::Tensor& mask, const std::optional<at::Tensor>& sums) {
+  const auto [sizes, shared] = mask_sum_shape(mask);
+  at::Tensor grad = sums.has_value() ? *sums : at::empty_symint(sizes, mask.options());
+  if (sums.has_value() && shared != 1) grad = grad.div(shared.expect_int());
+  return grad.to(mask.scalar_type()).expand_symint(mask.sym_sizes());
+}
+
 double attention_scale(const at::Tensor& query, std::optional<double> scale) {
   if (scale.has_value()) return *scale;
   const int64_t dim = query.size(-1);

@@ -62,6 +62,22 @@ at::Tensor allocate_attention_weights(const at::Tensor& query,
 // dims) and cast to its dtype.
 at::Tensor reduce_to_input(at::Tensor grad, const at::Tensor& input);
 
+// The gradient of a float mask as the kernels sum it: zeros in acc_dtype,
+// of the mask's shape except along the dims it was expanded in (stride 0,
+// size > 1), which are 1: the kernels read those as broadcast and sum over
+// them, as over the dims the mask is broadcast along.
+at::Tensor allocate_mask_gradient_sums(const at::Tensor& mask, at::ScalarType acc_dtype);
+// That shape.
+std::vector<c10::SymInt> mask_gradient_sums_shape(const at::Tensor& mask);
+
+// Those sums as the mask's gradient (attention_backward's grad_attn_mask):
+// in the mask's dtype and shape, each expanded dim's elements (which share
+// memory) holding the sum divided by the dim's size, so that summing them
+// (the expand's backward) gives the sum, as PyTorch's as_strided backward
+// treats overlapping memory. Without sums (a Meta call), an empty tensor of
+// that shape and those strides.
+at::Tensor mask_gradient(const at::Tensor& mask, const std::optional<at::Tensor>& sums);
+
 // The scale of the scores: scale, or 1/sqrt(E) when it is not given. With
 // E = 0 every score is 0 whatever the scale, so the (then infinite)
 // default is taken as 0.

@@ -71,6 +71,7 @@ struct BackwardArgs {
   bool enable_gqa;
   const AttentionVariants& variants;
   const OptTensor& grad_logsumexp;
+  bool grad_attn_mask;
 };
 
 // fusedmha::attention_weights.

@@ -28,14 +28,16 @@ TORCH_LIBRARY(fusedmha, m) {
       "float dropout_p=0.0, bool is_causal=False, float? scale=None, bool enable_gqa=False, "
       VARIANTS ", Tensor? dropout_state=None) -> (Tensor output, Tensor logsumexp, Tensor rng_state)");
   // Gradients of attention_forward's output (and, when grad_logsumexp is
-  // given, of its log-sum-exp) with respect to query, key and value (a float
-  // attn_mask gets none), recomputed tile by tile from the saved output and
-  // log-sum-exp.
+  // given, of its log-sum-exp) with respect to query, key and value, and
+  // with grad_attn_mask with respect to the float attn_mask (in its shape
+  // and dtype; else an empty tensor), recomputed tile by tile from the
+  // saved output and log-sum-exp.
   m.def(
       "attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, "
       "Tensor logsumexp, Tensor rng_state, Tensor? attn_mask, float dropout_p, bool is_causal, "
-      "float? scale, bool enable_gqa, " VARIANTS ", Tensor? grad_logsumexp=None"
-      ") -> (Tensor grad_query, Tensor grad_key, Tensor grad_value)");
+      "float? scale, bool enable_gqa, " VARIANTS ", Tensor? grad_logsumexp=None, "
+      "bool grad_attn_mask=False"
+      ") -> (Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_attn_mask)");
   // The attention probabilities softmax(scale·Q·Kᵀ + mask) of a forward call,
   // recomputed from its log-sum-exp, with its dropout applied (rng_state and
   // dropout_p as given to and returned by attention_forward): (..., H, L, S),

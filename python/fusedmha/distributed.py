@@ -239,7 +239,7 @@ class _RingAttention(torch.autograd.Function):
             dv = torch.zeros(cur[1].shape, dtype=acc, device=qh.device)
             for (qr, kr, a, b, row0, col0) in _pairs(rank, src, world, L, zigzag, left, right):
                 rows = lambda t: t.narrow(2, *qr)  # noqa: E731
-                g_q, g_k, g_v = torch.ops.fusedmha.attention_backward(
+                g_q, g_k, g_v, _ = torch.ops.fusedmha.attention_backward(
                     rows(gh), rows(qh), cur[0].narrow(2, *kr), cur[1].narrow(2, *kr),
                     rows(out), lse.narrow(2, *qr),
                     rng if dropout_p == 0.0 else _pair_stream(state, dropout_p, row0, col0),

@@ -153,14 +153,6 @@ def test_double_backward_is_refused():
         gq.sum().backward()
 
 
-def test_float_mask_requiring_grad_is_refused():
-    q, k, v = qkv()
-    mask = torch.zeros(5, 7, requires_grad=True)
-    with pytest.raises(RuntimeError, match=r"gradients with respect to a float attn_mask are not supported"):
-        sdpa(q, k, v, attn_mask=mask)
-    sdpa(q, k, v, attn_mask=mask.detach())  # fine
-
-
 def test_backward_op_checks_its_extra_inputs():
     q, k, v = qkv()
     out, lse, rng = torch.ops.fusedmha.attention_forward(q, k, v)

@@ -36,7 +36,7 @@ def inputs(seed):
 def forward_backward(q, k, v, grad, mask, p):
     """attention_forward then attention_backward, as autograd calls them."""
     out, lse, rng = OPS.attention_forward(q, k, v, mask, p, False, None, True)
-    dq, dk, dv = OPS.attention_backward(grad, q, k, v, out, lse, rng, mask, p, False, None, True)
+    dq, dk, dv, _ = OPS.attention_backward(grad, q, k, v, out, lse, rng, mask, p, False, None, True)
     return out, lse, rng, dq, dk, dv
 
 
@@ -86,8 +86,8 @@ def run_concurrently(how, cases, p):
 def _scripted_forward_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor,
                                mask: torch.Tensor, p: float) -> List[torch.Tensor]:
     out, lse, rng = torch.ops.fusedmha.attention_forward(q, k, v, mask, p, False, None, True)
-    dq, dk, dv = torch.ops.fusedmha.attention_backward(grad, q, k, v, out, lse, rng, mask, p,
-                                                       False, None, True)
+    dq, dk, dv, _ = torch.ops.fusedmha.attention_backward(grad, q, k, v, out, lse, rng, mask, p,
+                                                          False, None, True)
     return [out, lse, rng, dq, dk, dv]
 
 

@@ -73,13 +73,21 @@ FUSEDMHA_API std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward(
 
 // The backward op (fusedmha::attention_backward): gradients with respect to
 // query, key and value, given the gradient of the output and what
-// attention_forward returned. Autograd calls it; it is public for tests and
-// for custom autograd code. grad_logsumexp, when given, is the gradient of
-// the log-sum-exp (..., H, L), so that code differentiating through it (a
-// merge of partial results) gets exact gradients. (The sinks' gradient is
-// -sum over rows of exp(sink - logsumexp) * rowsum(grad_out * out), which
-// autograd adds.)
-FUSEDMHA_API std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
+// attention_forward returned, and with grad_attn_mask the gradient with
+// respect to the float attn_mask (else an empty tensor). Autograd calls it;
+// it is public for tests and for custom autograd code. grad_logsumexp, when
+// given, is the gradient of the log-sum-exp (..., H, L), so that code
+// differentiating through it (a merge of partial results) gets exact
+// gradients. (The sinks' gradient is -sum over rows of exp(sink -
+// logsumexp) * rowsum(grad_out * out), which autograd adds.)
+//
+// The mask's gradient has the mask's shape and dtype: summed over every dim
+// the mask broadcasts along, inside the kernels. Along a dim the mask was
+// expanded in (stride 0, size > 1) its elements share memory: each holds
+// the sum over that dim divided by its size, so that the expand's own
+// backward (a sum) gives the sum, as PyTorch's as_strided backward does for
+// overlapping memory.
+FUSEDMHA_API std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& grad_out,
     const at::Tensor& query,
     const at::Tensor& key,
@@ -93,7 +101,8 @@ FUSEDMHA_API std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     std::optional<double> scale = std::nullopt,
     bool enable_gqa = false,
     const AttentionVariants& variants = {},
-    const std::optional<at::Tensor>& grad_logsumexp = std::nullopt);
+    const std::optional<at::Tensor>& grad_logsumexp = std::nullopt,
+    bool grad_attn_mask = false);
 
 // The attention weights of a forward call (fusedmha::attention_weights):
 // softmax(scale·Q·Kᵀ + mask) recomputed from the logsumexp and rng_state
