@@ -213,6 +213,32 @@ TEST(Backward, MatchesATenGradients) {
   }
 }
 
+// A learnt bias (a float mask that requires grad) trains from C++: its
+// gradient, summed into its (H, L, S) shape, and the backward op's own, as
+// ATen's SDPA gives them in double.
+TEST(Backward, LearntBiasMatchesATen) {
+  torch::manual_seed(0);
+  const auto opts = torch::TensorOptions().dtype(torch::kDouble);
+  const auto q = torch::randn({2, 3, 11, 8}, opts), k = torch::randn({2, 3, 14, 8}, opts),
+             v = torch::randn({2, 3, 14, 8}, opts), grad_out = torch::randn({2, 3, 11, 8}, opts);
+  const auto bias = torch::randn({3, 11, 14}, opts).requires_grad_();
+  fusedmha::scaled_dot_product_attention(q, k, v, bias).backward(grad_out);
+  const auto ref_bias = bias.detach().clone().requires_grad_();
+  at::scaled_dot_product_attention(q, k, v, ref_bias).backward(grad_out);
+  ASSERT_EQ(bias.grad().sizes(), bias.sizes());
+  EXPECT_TRUE(torch::allclose(bias.grad(), ref_bias.grad(), 1e-10, 1e-12));
+
+  torch::NoGradGuard no_grad;
+  const auto [out, lse, rng] = fusedmha::attention_forward(q, k, v, bias);
+  const auto grads = fusedmha::attention_backward(grad_out, q, k, v, out, lse, rng, bias, 0.0,
+                                                  false, std::nullopt, false, {}, std::nullopt,
+                                                  /*grad_attn_mask=*/true);
+  EXPECT_TRUE(torch::allclose(std::get<3>(grads), ref_bias.grad(), 1e-10, 1e-12));
+  EXPECT_EQ(std::get<3>(fusedmha::attention_backward(grad_out, q, k, v, out, lse, rng, bias))
+                .numel(),
+            0);
+}
+
 // A tiny causal self-attention model trained from C++: the loss must fall.
 TEST(Backward, TinyModelTrains) {
   torch::manual_seed(0);

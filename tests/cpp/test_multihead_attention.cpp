@@ -131,6 +131,25 @@ TEST(MultiheadAttention, CrossAttentionWithMasksMatchesTorch) {
   expect_same(p, q, k, v, {}, additive, false, true, additive.expand({kN * kHeads, kL, kS}));
 }
 
+// A learnt float attn_mask (a bias that requires grad) with a key padding
+// mask, the weights returned: the bias's gradient is torch's.
+TEST(MultiheadAttention, LearntFloatMaskMatchesTorch) {
+  Pair p = make_pair();
+  const auto q = randn({kL, kN, kEmbed}), k = randn({kS, kN, kEmbed}), v = randn({kS, kN, kEmbed});
+  auto padding = torch::zeros({kN, kS}, torch::kBool);
+  padding.index_put_({0, torch::indexing::Slice(-2, torch::indexing::None)}, true);
+  const auto bias = torch::randn({kL, kS}, torch::kDouble);
+  std::vector<torch::Tensor> grads;
+  for (const bool ours : {true, false}) {
+    const auto b = bias.clone().requires_grad_();
+    auto [out, weights] = ours ? p.ours->forward(q, k, v, padding, true, b)
+                               : p.theirs->forward(q, k, v, padding, true, b);
+    (out.pow(2).sum() + weights.sum()).backward();
+    grads.push_back(b.grad());
+  }
+  expect_close(grads[0], grads[1], "attn_mask grad");
+}
+
 TEST(MultiheadAttention, ExtraKeysAndNoBiasMatchTorch) {
   for (const bool bias_kv : {false, true}) {
     Pair p = make_pair(/*bias=*/!bias_kv, bias_kv, /*add_zero_attn=*/!bias_kv);

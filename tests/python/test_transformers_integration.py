@@ -319,3 +319,87 @@ def test_generate_gives_the_tokens_sdpa_gives(cache):
                                    do_sample=False, cache_implementation=cache,
                                    pad_token_id=0)
     assert torch.equal(out["fusedmha"], out["sdpa"])
+
+
+T5_SIZES = dict(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+                num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=16,
+                dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
+
+
+def t5_batches():
+    """Three batches of 4: encoder inputs of 12 tokens with right and left padding (keys only:
+    no query row is fully masked, so "eager" and fusedmha mean the same), 9 labels with -100s."""
+    g = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(3):
+        mask = torch.ones(4, 12, dtype=torch.long)
+        mask[1, -4:], mask[2, :3], mask[3, -7:] = 0, 0, 0
+        ids = torch.randint(1, 64, (4, 12), generator=g).masked_fill(mask == 0, 0)
+        labels = torch.randint(1, 64, (4, 9), generator=g)
+        labels[1, -3:] = -100
+        batches.append((ids, mask, labels))
+    return batches
+
+
+def test_t5_trains_its_relative_attention_bias_like_eager(monkeypatch):
+    """T5's position_bias reaches fusedmha as a float mask that requires grad: Adam steps on a
+    tiny T5 follow "eager" step for step, relative_attention_bias included.
+
+    float64, so the comparison is tight: the first step's gradients differ only by summation
+    order (~1e-17 here), and 15 Adam steps (whose normalisation amplifies the differences of
+    small gradient entries) leave ~1e-11 in losses and weights. The bounds allow ~100x that;
+    a bias gradient left out (the bias as a constant) moves the losses by ~1e-2."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    calls = []
+    sdpa = fusedmha.scaled_dot_product_attention
+    monkeypatch.setattr(fusedmha, "scaled_dot_product_attention",
+                        lambda *a, **kw: calls.append(kw["attn_mask"]) or sdpa(*a, **kw))
+    config = T5Config(**T5_SIZES)
+    torch.manual_seed(0)
+    initial = T5ForConditionalGeneration._from_config(config, dtype=torch.float64).state_dict()
+    bias_weights = ("encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+                    "decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # (tiny shapes: a second thread only contends)
+    try:
+        results = {}
+        for impl in ("fusedmha", "eager"):
+            model = T5ForConditionalGeneration._from_config(config, attn_implementation=impl,
+                                                            dtype=torch.float64)
+            model.load_state_dict(initial)
+            model.train()
+            params = dict(model.named_parameters())
+            opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+            losses = []
+            for step in range(15):
+                ids, mask, labels = t5_batches()[step % 3]
+                opt.zero_grad()
+                loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+                loss.backward()
+                if step == 0:
+                    first_grads = [params[name].grad.clone() for name in bias_weights]
+                opt.step()
+                losses.append(loss.item())
+            results[impl] = (torch.tensor(losses, dtype=torch.float64), first_grads,
+                             [params[name].detach() for name in bias_weights])
+    finally:
+        torch.set_num_threads(threads)
+    # Each forward: 2 encoder self-attentions, 2 decoder self- and 2 cross-attentions, all
+    # through fusedmha, the self-attentions' masks carrying the bias's gradient.
+    assert len(calls) == 15 * 6
+    assert sum(mask is not None and mask.requires_grad for mask in calls[:6]) == 4
+    (losses, grads, weights), (ref_losses, ref_grads, ref_weights) = (results["fusedmha"],
+                                                                      results["eager"])
+    assert losses[-1] < losses[0] - 1.0, losses
+    torch.testing.assert_close(losses, ref_losses, atol=1e-9, rtol=1e-9)
+    for name, grad, ref, weight, ref_weight in zip(bias_weights, grads, ref_grads, weights,
+                                                   ref_weights):
+        # Every head's bias learns; of the 8 buckets, one never occurs here (the encoder's
+        # distance 0 seen as a future position; the decoder's farthest bucket).
+        assert (grad.abs().amax(dim=0) > 1e-4).all(), f"{name}: {grad}"
+        assert int((grad.abs().amax(dim=1) > 0).sum()) == 7, f"{name}: {grad}"
+        torch.testing.assert_close(grad, ref, atol=1e-14, rtol=1e-12, msg=lambda m: f"{name}: {m}")
+        assert (weight - initial[name]).abs().max() > 1e-2, f"{name} did not move"
+        torch.testing.assert_close(weight, ref_weight, atol=1e-9, rtol=1e-9,
+                                   msg=lambda m: f"{name}: {m}")
