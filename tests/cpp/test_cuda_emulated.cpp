@@ -6,6 +6,7 @@
 // masking with L != S, bool/float masks with broadcasting, GQA, strided
 // rows, dropout (the common/philox.h stream), rows with nothing to see, and
 // the variants: bottom-right causal, sliding windows, softcap, ALiBi, sinks;
+// the gradient of a float mask (summed with atomics into its broadcast shape);
 // and packed sequences (varlen) and paged caches, sequence by sequence.
 //
 // Built without torch (plain C++ and the CUDA headers), so it is quick to
@@ -166,6 +167,7 @@ struct Problem {
 struct Reference {
   std::vector<double> out, lse, dq, dk, dv;  // dk/dv per output head (B, H, S, E)
   std::vector<double> weights;                // P∘Z/(1−p), (B, H, L, S)
+  std::vector<double> dmask;                  // the (S,) float mask's gradient
 };
 
 // Float64 attention and its gradients (per output head), the library's rules.
@@ -178,6 +180,7 @@ Reference reference(const Problem& pr) {
   r.dq.assign(size_t(O) * c.L * c.E, 0);
   r.dk.assign(size_t(O) * c.S * c.E, 0);
   r.dv.assign(size_t(O) * c.S * c.Ev, 0);
+  r.dmask.assign(c.S, 0);
   r.weights.assign(size_t(O) * c.L * c.S, 0);
   const int group = c.H / c.Hkv;
   for (int b = 0; b < c.B; ++b) {
@@ -218,6 +221,7 @@ Reference reference(const Problem& pr) {
           double x = 0;
           for (int e = 0; e < c.Ev; ++e) x += dO(i, e) * V(j, e);
           dp[j] = x * pr.keep(o, i, j);
+          r.dmask[j] += p[j] * (dp[j] - delta);  // (where the mask is added)
           const double ds = p[j] * (dp[j] - delta) * dcap[j] * pr.scale;
           for (int e = 0; e < c.E; ++e) {
             r.dq[(size_t(o) * c.L + i) * c.E + e] += ds * K(j, e);
@@ -426,6 +430,12 @@ void run_case(const Case& c, Kernels kernels) {
   bp.grad_q = dense(grad_q, c.H, c.L, c.E);
   bp.grad_k = dense(grad_k, c.H, c.S, c.E);
   bp.grad_v = dense(grad_v, c.H, c.S, c.Ev);
+  // The float mask's gradient: every batch, head and row sums into its (S,).
+  std::vector<A> grad_mask(c.S, A(0));
+  if (c.mask == 2) {
+    bp.grad_mask.data = grad_mask.data();
+    bp.grad_mask.col_stride = 1;
+  }
   if (kernels == Kernels::TensorCores) {
     const unsigned blocks = unsigned((c.S + flash_bwd::kBlockKV - 1) / flash_bwd::kBlockKV * O);
     emulation::launch(blocks, flash_bwd::kThreads, flash_bwd::smem_bytes(D), [&] {
@@ -447,6 +457,10 @@ void run_case(const Case& c, Kernels kernels) {
   EXPECT_LE(max_error(ref.dq, [&](size_t n) { return double(grad_q[n]); }), gtol) << "grad_q";
   EXPECT_LE(max_error(ref.dk, [&](size_t n) { return double(grad_k[n]); }), gtol) << "grad_k";
   EXPECT_LE(max_error(ref.dv, [&](size_t n) { return double(grad_v[n]); }), gtol) << "grad_v";
+  if (c.mask == 2) {
+    EXPECT_LE(max_error(ref.dmask, [&](size_t n) { return double(grad_mask[n]); }), gtol)
+        << "grad of the float mask";
+  }
 }
 
 std::vector<Case> cases() {
