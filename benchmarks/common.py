@@ -173,9 +173,9 @@ def paired_ratio(numerators, denominators):
     return ratios[len(ratios) // 2]
 
 
-def peak_memory_in_fresh_process(script, name, L, H, E):
-    """Runs `script --measure-memory name L H E` in a new interpreter (so no freed but still
-    resident pages of earlier runs are reused) and returns the bytes it prints last."""
-    res = subprocess.run([sys.executable, script, "--measure-memory", name, str(L), str(H), str(E)],
+def peak_memory_in_fresh_process(script, *args):
+    """Runs `script --measure-memory *args` (e.g. name L H E) in a new interpreter (so no freed
+    but still resident pages of earlier runs are reused) and returns the bytes it prints last."""
+    res = subprocess.run([sys.executable, script, "--measure-memory", *map(str, args)],
                          check=True, capture_output=True, text=True)
     return int(res.stdout.split()[-1])

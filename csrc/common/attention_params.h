@@ -326,12 +326,17 @@ struct BackwardParams {
   int64_t grad_q_split_stride = 0;
   Matrix grad_k;
   Matrix grad_v;
-  // The gradient of a float mask (data null: not asked for), acc_t, zeroed:
-  // dS = P ∘ (dP − D) of each score, taken where the mask is added (after
-  // softcap and ALiBi), summed into the mask's own elements. It broadcasts
-  // (stride 0) wherever the mask does, so several outer indices, rows or
-  // columns may sum into one element (see outer_of_member).
+  // The gradient of a float mask (data null: not asked for): dS = P ∘
+  // (dP − D) of each score, taken where the mask is added (after softcap and
+  // ALiBi), summed into the mask's own elements, times grad_mask_scale. It
+  // broadcasts (stride 0) wherever the mask does, so several outer indices,
+  // rows or columns may sum into one element (see outer_of_member). The CPU
+  // kernels write each element once, in the mask's dtype (float32 where
+  // grad_mask_float32, else the query's); the CUDA kernels add into acc_t
+  // zeros with atomics.
   Matrix grad_mask;
+  bool grad_mask_float32 = false;
+  double grad_mask_scale = 1.0;
 };
 
 // The outer indices whose mask gradients share memory: those that differ

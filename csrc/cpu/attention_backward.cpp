@@ -41,7 +41,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cp
     const ops::BackwardArgs& a) {
   ops::check_backward_inputs(ops::kBackwardOp, a);
   ops::AttentionCall call(ops::kBackwardOp, a);
-  return run_backward(call, call.backward(a)).reduced_to(a.query, a.key, a.value, a.attn_mask);
+  return run_backward(call, call.backward(a, ops::AttentionCall::MaskSums::kMaskDtype))
+      .reduced_to(a.query, a.key, a.value, a.attn_mask);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward_cpu(

@@ -50,6 +50,9 @@ struct BackwardWorkspace {
   acc_t* dk;   // bkv × dqk   dK accumulator
   acc_t* dvv;  // bkv × dv    dV accumulator
   acc_t* dq;   // bq × dqk    dQ of one query block
+  acc_t* gm;   // mask_rows × mask_cols   a float mask's gradient over a key block's
+               //             columns (one column where it broadcasts over keys)
+  int64_t mask_rows, mask_cols, mask_ld;  // (mask_ld: 0 where it broadcasts over rows)
 
   BackwardWorkspace(const BackwardParams& bp, const WorkSplit& split, Arena<acc_t>& arena) {
     constexpr int64_t nr = panel_width<acc_t>(), w = Vectorized<acc_t>::size();
@@ -74,6 +77,11 @@ struct BackwardWorkspace {
     dk = arena.take(bkv * dqk);
     dvv = arena.take(bkv * dv);
     dq = arena.take(bq * dqk);
+    const Matrix& g = bp.grad_mask;
+    mask_rows = g.data && g.row_stride != 0 ? p.len_q : 1;
+    mask_cols = g.data && g.col_stride != 0 ? bkv : 1;
+    mask_ld = mask_rows > 1 ? mask_cols : 0;
+    gm = g.data ? arena.take(mask_rows * mask_cols) : nullptr;
   }
 };
 
@@ -89,22 +97,30 @@ class BackwardKernel {
       : call_(bp), bp_(bp), p_(bp_.fwd), split_(split), tiles_(bp_.fwd), ws_(bp, split, arena) {}
 
   // The item's key blocks, each for its members in turn (members > 1: the
-  // outer indices that share a mask gradient's elements, which then sum
-  // in one fixed order).
+  // outer indices that share a mask gradient's elements). A mask's gradient
+  // is summed in ws_.gm over the members and written once per key block (or
+  // once per item, where it broadcasts over the keys: a single set).
   void run(int64_t item) {
     const int64_t splits = call_.grad_q_splits;
     const int64_t group = item / splits, set = item % splits;
     const int64_t nkb = div_up(call_.fwd.len_kv, split_.block_kv);
+    const bool mask_per_key = call_.grad_mask.col_stride != 0;
+    if (ws_.gm) std::fill(ws_.gm, ws_.gm + ws_.mask_rows * ws_.mask_cols, acc_t(0));
     for (int64_t kb = set; kb < nkb; kb += splits) {
+      const int64_t block_k0 = kb * split_.block_kv;
       for (int64_t m = 0; m < split_.members; ++m) {
         const int64_t o = outer_of_member(call_, group, m);
         bp_ = sequence_of(call_, o);
-        if (kb * split_.block_kv >= p_.len_kv) continue;  // (past a shorter sequence's keys)
+        if (block_k0 >= p_.len_kv) continue;  // (past a shorter sequence's keys)
         acc_t* grad_q =
             matrix_start<acc_t>(p_.outer, bp_.grad_q, o) + set * bp_.grad_q_split_stride;
-        key_block(o, kb * split_.block_kv, grad_q);
+        key_block(o, block_k0, grad_q);
+      }
+      if (ws_.gm && mask_per_key) {
+        write_mask_gradient(group, block_k0, std::min(split_.block_kv, call_.fwd.len_kv - block_k0));
       }
     }
+    if (ws_.gm && !mask_per_key) write_mask_gradient(group, 0, 1);
   }
 
  private:
@@ -162,7 +178,7 @@ class BackwardKernel {
           cols, bq, Ev, v, ldv, [&](int64_t c) { return ws_.dot + c * Ev; }, nr, ws_.dst, bq);
       if (p_.dropout.on()) Tiles::scale_by(ws_.dst, ws_.dm, cols, bq);
       score_gradients(cols, bq);
-      if (bp_.grad_mask.data) add_mask_gradient(o, q0, rows, bq, k0, cols);
+      if (ws_.gm) add_mask_gradient(q0, rows, bq, k0 - block_k0, cols);
       if (ws_.dcap) Tiles::scale_by(ws_.dst, ws_.dcap, cols, bq);
       // dK += dSᵀ·Q
       gemm<acc_t, /*kRowsOfA=*/true, /*kAccumulate=*/true>(
@@ -241,16 +257,40 @@ class BackwardKernel {
     }
   }
 
-  // dS of queries q0.. (rows) and keys k0.. (cols) added into the mask's
-  // gradient, transposed from the tile's keys-by-queries layout. Where the
-  // gradient broadcasts (stride 0) the terms sum into one element.
-  void add_mask_gradient(int64_t o, int64_t q0, int64_t rows, int64_t bq, int64_t k0,
-                         int64_t cols) {
-    const Matrix& g = bp_.grad_mask;
-    acc_t* first = matrix_start<acc_t>(p_.outer, g, o) + q0 * g.row_stride + k0 * g.col_stride;
+  // dS of queries q0.. (rows) and keys c0.. of the key block (cols) added
+  // into ws_.gm, transposed from the tile's keys-by-queries layout. Where
+  // the mask broadcasts over rows or keys the terms sum into one element.
+  void add_mask_gradient(int64_t q0, int64_t rows, int64_t bq, int64_t c0, int64_t cols) {
+    const int64_t ld = ws_.mask_ld, step = ws_.mask_cols > 1 ? 1 : 0;
+    acc_t* first = ws_.gm + q0 * ld + c0 * step;
     for (int64_t i = 0; i < rows; ++i) {
-      acc_t* row = first + i * g.row_stride;
-      for (int64_t j = 0; j < cols; ++j) row[j * g.col_stride] += ws_.dst[j * bq + i];
+      acc_t* row = first + i * ld;
+      for (int64_t j = 0; j < cols; ++j) row[j * step] += ws_.dst[j * bq + i];
+    }
+  }
+
+  // ws_.gm, scaled, into group's mask gradient at keys k0..k0+cols (in the
+  // mask's dtype: each element is written once, by this item), then zeroed.
+  void write_mask_gradient(int64_t group, int64_t k0, int64_t cols) {
+    const Matrix& g = call_.grad_mask;
+    if (g.col_stride == 0) cols = 1;
+    const int64_t o = outer_of_member(call_, group, 0);
+    const acc_t scale = static_cast<acc_t>(call_.grad_mask_scale);
+    auto write = [&](auto* grad) {
+      using out_t = std::remove_pointer_t<decltype(grad)>;
+      grad = matrix_start<out_t>(call_.fwd.outer, g, o) + k0 * g.col_stride;
+      for (int64_t i = 0; i < ws_.mask_rows; ++i) {
+        acc_t* src = ws_.gm + i * ws_.mask_ld;
+        for (int64_t j = 0; j < cols; ++j) {
+          grad[i * g.row_stride + j * g.col_stride] = static_cast<out_t>(src[j] * scale);
+        }
+        std::fill(src, src + cols, acc_t(0));
+      }
+    };
+    if (call_.grad_mask_float32) {
+      write(static_cast<float*>(nullptr));
+    } else {
+      write(static_cast<scalar_t*>(nullptr));
     }
   }
 

@@ -243,12 +243,16 @@ WorkSplit plan_backward(BackwardParams& bp, const KernelTraits& isa, int64_t thr
   const int64_t groups = p.num_outer / std::max<int64_t>(split.members, 1);
   // Enough sets of key blocks that every thread gets about two items; each
   // set beyond the first costs a (len_q × E) slice of dQ per outer index,
-  // so with many outer indices there is one set (no extra memory). A mask
+  // so with many outer indices there is one set (no extra memory). Items
+  // of several members cost a slice per member: one item per thread then
+  // (docs/performance.md, "Mask gradients summed in the kernels"). A mask
   // gradient that broadcasts over the keys takes one set: every key block
   // sums into it.
   const int64_t key_blocks = div_up(p.len_kv, split.block_kv);
-  bp.grad_q_splits = std::clamp<int64_t>(div_up(2 * threads, std::max<int64_t>(groups, 1)), 1,
-                                         std::max<int64_t>(key_blocks, 1));
+  const int64_t items_per_thread = split.members > 1 ? 1 : 2;
+  bp.grad_q_splits =
+      std::clamp<int64_t>(div_up(items_per_thread * threads, std::max<int64_t>(groups, 1)), 1,
+                          std::max<int64_t>(key_blocks, 1));
   if (bp.grad_mask.data && bp.grad_mask.col_stride == 0) bp.grad_q_splits = 1;
   split.items = p.len_kv > 0 ? groups * bp.grad_q_splits : 0;
   return split;

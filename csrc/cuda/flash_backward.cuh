@@ -59,6 +59,7 @@ __global__ void __launch_bounds__(kThreads) kernel(const BackwardParams params) 
   float* grad_q = matrix_start<float>(p.outer, bp.grad_q, o);
   // The mask's gradient, summed with atomics (it may broadcast over CTAs).
   float* grad_mask = bp.grad_mask.data ? matrix_start<float>(p.outer, bp.grad_mask, o) : nullptr;
+  const float mask_scale = static_cast<float>(bp.grad_mask_scale);
 
   k_tile.template load_async<kThreads>(static_cast<const T*>(p.k.data) + outer_offset(p.outer, p.k, o) + k0 * p.k.row_stride,
                                        p.k.row_stride, kv_rows, dk, tid);
@@ -169,7 +170,8 @@ __global__ void __launch_bounds__(kThreads) kernel(const BackwardParams params) 
           pt[e] = pd;
           ds[e] = pr * (dp - delta_s[qc + e]);
           if (grad_mask && pr != 0.0f) {
-            atomicAdd(grad_mask + i * bp.grad_mask.row_stride + j * bp.grad_mask.col_stride, ds[e]);
+            atomicAdd(grad_mask + i * bp.grad_mask.row_stride + j * bp.grad_mask.col_stride,
+                      ds[e] * mask_scale);
           }
           ds[e] *= dcap;
         }

@@ -267,7 +267,9 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) backward_dkdv_kernel(cons
     const T* do_row = dout + i * bp.grad_out.row_stride;
     const A dp = dot_row<T, A>(v_s, do_row, 1, dv, lane);
     const A ds_mask = el.p * (dp * el.z - delta[i]);  // (the gradient where the mask is added)
-    if (grad_mask && lane == 0) atomicAdd(grad_mask + i * bp.grad_mask.row_stride, ds_mask);
+    if (grad_mask && lane == 0) {
+      atomicAdd(grad_mask + i * bp.grad_mask.row_stride, ds_mask * static_cast<A>(bp.grad_mask_scale));
+    }
     const A ds = ds_mask * el.dcap * scale;
     const A pd = el.p * el.z;
     for (int e = lane; e < dv; e += 32) dv_s[e] += pd * to_acc<A>(do_row[e]);

@@ -394,7 +394,8 @@ BackwardParams AttentionCall::backward(const at::Tensor& grad_out, const at::Ten
                                        const at::Tensor& logsumexp, const at::Tensor& rng_state,
                                        double dropout_p,
                                        const std::optional<at::Tensor>& grad_logsumexp,
-                                       const std::optional<at::Tensor>& grad_mask) {
+                                       const std::optional<at::Tensor>& grad_mask,
+                                       MaskSums mask_sums) {
   BackwardParams bp;
   bp.fwd = inputs_;
   bp.fwd.out = describe_in_layout(out, true);
@@ -410,8 +411,11 @@ BackwardParams AttentionCall::backward(const at::Tensor& grad_out, const at::Ten
     // Allocated here, not with the other gradients: the backend's plan
     // reads which outer indices share its elements. Read like the mask
     // (its expanded dims now of size 1: broadcast).
+    const at::ScalarType acc = query_.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
     mask_sums_ = allocate_mask_gradient_sums(
-        *grad_mask, query_.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
+        *grad_mask, mask_sums == MaskSums::kMaskDtype ? grad_mask->scalar_type() : acc);
+    bp.grad_mask_float32 = mask_sums_->scalar_type() == at::kFloat;
+    bp.grad_mask_scale = mask_gradient_scale(*grad_mask);
     const bool per_head = mask_sums_->dim() >= 3 && mask_sums_->size(-3) > 1;
     bp.grad_mask = group_ > 1 && per_head ? describe_packed(*mask_sums_) : describe(*mask_sums_);
   }

@@ -137,16 +137,19 @@ class AttentionCall {
   // The backward pass of the forward call that returned out, logsumexp
   // and rng_state; gradient pointers are set by allocate_gradients once
   // the backend has chosen bp.grad_q_splits. grad_mask: the float mask whose
-  // gradient is asked for (its sums allocated and described here).
+  // gradient is asked for (its sums allocated and described here, in
+  // mask_sums' dtype: see BackwardParams::grad_mask).
+  enum class MaskSums { kMaskDtype, kAccumulator };
   BackwardParams backward(const at::Tensor& grad_out, const at::Tensor& out,
                           const at::Tensor& logsumexp, const at::Tensor& rng_state,
                           double dropout_p,
                           const std::optional<at::Tensor>& grad_logsumexp = std::nullopt,
-                          const std::optional<at::Tensor>& grad_mask = std::nullopt);
+                          const std::optional<at::Tensor>& grad_mask = std::nullopt,
+                          MaskSums mask_sums = MaskSums::kAccumulator);
   // The same for a BackwardArgs record.
-  BackwardParams backward(const BackwardArgs& a) {
+  BackwardParams backward(const BackwardArgs& a, MaskSums mask_sums) {
     return backward(a.grad_out, a.out, a.logsumexp, a.rng_state, a.dropout_p, a.grad_logsumexp,
-                    a.grad_attn_mask ? a.attn_mask : std::nullopt);
+                    a.grad_attn_mask ? a.attn_mask : std::nullopt, mask_sums);
   }
   DenseGradients allocate_gradients(BackwardParams& bp) const;
   // bp.delta, rowsum(grad_out ∘ out) − grad_lse, computed with ATen ops

@@ -188,14 +188,17 @@ std::vector<c10::SymInt> mask_gradient_sums_shape(const at::Tensor& mask) {
   return mask_sum_shape(mask).first;
 }
 
-at::Tensor allocate_mask_gradient_sums(const at::Tensor& mask, at::ScalarType acc_dtype) {
-  return at::zeros_symint(mask_sum_shape(mask).first, mask.options().dtype(acc_dtype));
+at::Tensor allocate_mask_gradient_sums(const at::Tensor& mask, at::ScalarType dtype) {
+  return at::zeros_symint(mask_sum_shape(mask).first, mask.options().dtype(dtype));
+}
+
+double mask_gradient_scale(const at::Tensor& mask) {
+  return 1.0 / static_cast<double>(mask_sum_shape(mask).second.expect_int());
 }
 
 at::Tensor mask_gradient(const at::Tensor& mask, const std::optional<at::Tensor>& sums) {
-  const auto [sizes, shared] = mask_sum_shape(mask);
-  at::Tensor grad = sums.has_value() ? *sums : at::empty_symint(sizes, mask.options());
-  if (sums.has_value() && shared != 1) grad = grad.div(shared.expect_int());
+  at::Tensor grad = sums.has_value() ? *sums
+                                     : at::empty_symint(mask_sum_shape(mask).first, mask.options());
   return grad.to(mask.scalar_type()).expand_symint(mask.sym_sizes());
 }
 

@@ -62,20 +62,23 @@ at::Tensor allocate_attention_weights(const at::Tensor& query,
 // dims) and cast to its dtype.
 at::Tensor reduce_to_input(at::Tensor grad, const at::Tensor& input);
 
-// The gradient of a float mask as the kernels sum it: zeros in acc_dtype,
-// of the mask's shape except along the dims it was expanded in (stride 0,
+// The gradient of a float mask as the kernels sum it: zeros in dtype, of
+// the mask's shape except along the dims it was expanded in (stride 0,
 // size > 1), which are 1: the kernels read those as broadcast and sum over
 // them, as over the dims the mask is broadcast along.
-at::Tensor allocate_mask_gradient_sums(const at::Tensor& mask, at::ScalarType acc_dtype);
+at::Tensor allocate_mask_gradient_sums(const at::Tensor& mask, at::ScalarType dtype);
 // That shape.
 std::vector<c10::SymInt> mask_gradient_sums_shape(const at::Tensor& mask);
+// What the sums are scaled by: 1 / the number of elements each one stands
+// for along the expanded dims. Those elements share memory, and each holds
+// the sum divided by their count, so that summing them (the expand's
+// backward) gives the sum, as PyTorch's as_strided backward treats
+// overlapping memory.
+double mask_gradient_scale(const at::Tensor& mask);
 
-// Those sums as the mask's gradient (attention_backward's grad_attn_mask):
-// in the mask's dtype and shape, each expanded dim's elements (which share
-// memory) holding the sum divided by the dim's size, so that summing them
-// (the expand's backward) gives the sum, as PyTorch's as_strided backward
-// treats overlapping memory. Without sums (a Meta call), an empty tensor of
-// that shape and those strides.
+// Those scaled sums as the mask's gradient (attention_backward's
+// grad_attn_mask): in the mask's dtype and shape. Without sums (a Meta
+// call), an empty tensor of that shape and those strides.
 at::Tensor mask_gradient(const at::Tensor& mask, const std::optional<at::Tensor>& sums);
 
 // The scale of the scores: scale, or 1/sqrt(E) when it is not given. With

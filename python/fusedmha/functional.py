@@ -54,9 +54,10 @@ def scaled_dot_product_attention(
 
     ``dropout_p`` is applied inside the fused kernel (a Philox stream seeded from PyTorch's
     default generator, replayed by the backward). Differentiable with respect to query, key,
-    value and sinks. A query row whose keys are all masked gets 0 (as in PyTorch 2.15), never
-    NaN. Differences from PyTorch: ``scale`` must be finite and >= 0; a NaN or +inf score makes
-    its row NaN; a float mask that requires grad is refused.
+    value, sinks and a float ``attn_mask`` (a learnt bias: its gradient is summed inside the
+    kernels into the mask's own shape). A query row whose keys are all masked gets 0 (as in
+    PyTorch 2.15), never NaN. Differences from PyTorch: ``scale`` must be finite and >= 0; a
+    NaN or +inf score makes its row NaN.
 
     Jagged nested tensors (``torch.nested.nested_tensor(..., layout=torch.jagged)`` of shape
     ``(B, j, H, E)``, passed transposed as ``(B, H, j, E)``, as PyTorch's SDPA takes them) run

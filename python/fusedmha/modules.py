@@ -26,9 +26,9 @@ class MultiheadAttention(nn.Module):
 
     ``need_weights=True`` returns the attention weights (after dropout in training mode, as
     PyTorch) from one extra fused pass over the saved log-sum-exp; the output itself always
-    comes from the fused forward. Differences from PyTorch: a query whose keys are all masked
-    gets output 0 and weights 0 (PyTorch gives NaN); gradients with respect to a float mask
-    are not supported.
+    comes from the fused forward. A float ``attn_mask`` or ``key_padding_mask`` that requires
+    grad (a learnt bias) gets PyTorch's gradient. Differences from PyTorch: a query whose keys
+    are all masked gets output 0 and weights 0 (PyTorch gives NaN).
     """
 
     __constants__ = ["batch_first"]

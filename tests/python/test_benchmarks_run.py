@@ -10,7 +10,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.mark.parametrize("script", ["bench_sdpa_cpu.py", "bench_sdpa_cpu_train.py", "bench_mha_cpu.py"])
+@pytest.mark.parametrize("script", ["bench_sdpa_cpu.py", "bench_sdpa_cpu_train.py", "bench_mha_cpu.py",
+                                    "bench_bias_cpu_train.py"])
 def test_benchmark_smoke_run(script):
     res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), "--quick"],
                          capture_output=True, text=True, timeout=600, env=dict(os.environ))
