@@ -117,7 +117,8 @@ class BackwardKernel {
         key_block(o, block_k0, grad_q);
       }
       if (ws_.gm && mask_per_key) {
-        write_mask_gradient(group, block_k0, std::min(split_.block_kv, call_.fwd.len_kv - block_k0));
+        write_mask_gradient(group, block_k0,
+                            std::min(split_.block_kv, call_.fwd.len_kv - block_k0));
       }
     }
     if (ws_.gm && !mask_per_key) write_mask_gradient(group, 0, 1);

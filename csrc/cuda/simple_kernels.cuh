@@ -268,7 +268,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) backward_dkdv_kernel(cons
     const A dp = dot_row<T, A>(v_s, do_row, 1, dv, lane);
     const A ds_mask = el.p * (dp * el.z - delta[i]);  // (the gradient where the mask is added)
     if (grad_mask && lane == 0) {
-      atomicAdd(grad_mask + i * bp.grad_mask.row_stride, ds_mask * static_cast<A>(bp.grad_mask_scale));
+      atomicAdd(grad_mask + i * bp.grad_mask.row_stride,
+                ds_mask * static_cast<A>(bp.grad_mask_scale));
     }
     const A ds = ds_mask * el.dcap * scale;
     const A pd = el.p * el.z;

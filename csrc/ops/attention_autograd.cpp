@@ -208,9 +208,9 @@ class AttentionWeightsFunction : public torch::autograd::Function<AttentionWeigh
     // constants, or zero P).
     at::Tensor grad_scores = grad_kept.sub(probs.mul(row_sums));
     if (ctx->saved_data["mask_grad"].toBool()) {
-      result[4] = mask_gradient(
-          *call.attn_mask, at::sum_to(grad_scores, mask_gradient_sums_shape(*call.attn_mask))
-                               .mul(mask_gradient_scale(*call.attn_mask)));
+      result[4] = mask_gradient(*call.attn_mask,
+                                at::sum_to(grad_scores, mask_gradient_sums_shape(*call.attn_mask))
+                                    .mul(mask_gradient_scale(*call.attn_mask)));
     }
 
     at::Tensor k = k_acc;

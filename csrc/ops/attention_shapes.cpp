@@ -197,8 +197,8 @@ double mask_gradient_scale(const at::Tensor& mask) {
 }
 
 at::Tensor mask_gradient(const at::Tensor& mask, const std::optional<at::Tensor>& sums) {
-  at::Tensor grad = sums.has_value() ? *sums
-                                     : at::empty_symint(mask_sum_shape(mask).first, mask.options());
+  at::Tensor grad =
+      sums.has_value() ? *sums : at::empty_symint(mask_sum_shape(mask).first, mask.options());
   return grad.to(mask.scalar_type()).expand_symint(mask.sym_sizes());
 }
 
