@@ -286,3 +286,27 @@ def test_multihead_attention_mask_and_padding(need_weights, mask_dims):
         results.append(torch.autograd.grad(loss, [a, p, *m.parameters()]))
     for name, g, w in zip(["attn_mask", "key_padding_mask", "in_proj_weight"], *results):
         torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-10, msg=lambda s: f"{name}: {s}")
+
+
+@pytest.mark.parametrize("level", ["default", "avx2", "avx512"])
+def test_every_isa_level(level, monkeypatch):
+    """The mask's gradient at each compiled ISA level the CPU runs (FUSEDMHA_CPU_ISA), in
+    float64, float32 and bfloat16, against the float64 truth and PyTorch's error."""
+    from test_isa_levels import NEEDS, cpu_flags
+    if level not in fusedmha.build_info()["cpu_isas"] or not NEEDS[level] <= cpu_flags():
+        pytest.skip(f"{level} is not runnable here")
+    monkeypatch.setenv("FUSEDMHA_CPU_ISA", level)
+    L, S = 45, 70
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
+        for shape in ("HLS", "1H1S"):
+            q, k, v = qkv(L, S, dtype, "cpu")
+            leaf, _ = mask_leaf(SHAPES[shape](L, S), dtype, "cpu")
+            grad = torch.randn(B, H, L, E, dtype=dtype)
+            (got,) = torch.autograd.grad(
+                fusedmha.scaled_dot_product_attention(q, k, v, attn_mask=leaf), leaf, grad)
+            m64 = leaf.detach().double().requires_grad_()
+            (want,) = torch.autograd.grad(reference_variants(q, k, v, m64)[0], m64, grad.double())
+            mt = leaf.detach().clone().requires_grad_()
+            (theirs,) = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, attn_mask=mt),
+                                            mt, grad)
+            check_against_truth(got, want, theirs, dtype, f"{level} {dtype} {shape}")

@@ -37,15 +37,29 @@ def leaves64(*tensors):
     return [None if t is None else t.detach().double().requires_grad_() for t in tensors]
 
 
-def reference_of(pb, keep=None, grad_inputs=None):
+def reference_of(pb, keep=None, grad_inputs=None, mask=None):
     """The float64 truth (output, lse, probs) of a problem; grad_inputs: float64 leaves of
-    q, k, v (and sinks) to differentiate, or None."""
+    q, k, v (and sinks) to differentiate, or None; mask: a float64 leaf of the float mask to
+    differentiate, or None."""
     q, k, v = grad_inputs[:3] if grad_inputs else (pb.q.double(), pb.k.double(), pb.v.double())
     variants = dict(pb.variants)
     if grad_inputs and len(grad_inputs) > 3:
         variants["sinks"] = grad_inputs[3]
-    return reference_variants(q, k, v, pb.mask, pb.is_causal, pb.scale, pb.gqa, keep,
-                              pb.dropout_p, **variants)
+    return reference_variants(q, k, v, pb.mask if mask is None else mask, pb.is_causal, pb.scale,
+                              pb.gqa, keep, pb.dropout_p, **variants)
+
+
+def check_mask_gradient(pb, got, want, rounded):
+    """A float mask's gradient (the mask's shape and dtype) against the float64 truth: the
+    query dtype's fixed gradient floor, grown with the square root of how many scores each
+    element sums (their rounding errors add up, and the sum may cancel to near 0)."""
+    mask = pb.mask
+    expect(got.shape == mask.shape and got.dtype == mask.dtype,
+           f"grad_attn_mask: {describe(got)} for the mask {describe(mask)}")
+    summed = math.prod(outer_of(pb)) * pb.q.shape[-2] * pb.k.shape[-2] / max(1, mask.numel())
+    floor = max(GRAD_FIXED_FACTOR * fixed_floor(pb, pb.q.dtype), GRAD_FLOOR_CPU[pb.q.dtype])
+    assert_gradient_close(got, want, rounded, "attn_mask", dtype=pb.q.dtype,
+                          floor=floor * math.sqrt(max(1.0, summed)))
 
 
 def torch_mask(pb):
