@@ -232,27 +232,32 @@ WorkSplit plan_backward(BackwardParams& bp, const KernelTraits& isa, int64_t thr
   const int64_t nr = isa.panel_width(p.dtype == DType::Float64);
   WorkSplit split;
   split.block_q = std::min(kBlockQ, round_up(std::max<int64_t>(p.len_q, 1), nr));
-  split.block_kv = paged_block(
-      p, band_block(p, work_block(p.len_kv, p.num_outer, threads, isa.micro_rows, kMaxBlockKV),
-                    isa.micro_rows));
   // The outer indices that sum into the same elements of a mask's gradient
   // (a mask broadcast over batch or heads) are one item's, taken in turn:
   // each element then has one writer and one order of summation, with no
-  // copy of the gradient per thread.
+  // copy of the gradient per thread. The key blocks are sized by the groups
+  // of them, so that a mask every outer index shares still splits.
   split.members = shared_mask_members(bp);
   const int64_t groups = p.num_outer / std::max<int64_t>(split.members, 1);
+  split.block_kv = paged_block(
+      p, band_block(p, work_block(p.len_kv, groups, threads, isa.micro_rows, kMaxBlockKV),
+                    isa.micro_rows));
   // Enough sets of key blocks that every thread gets about two items; each
   // set beyond the first costs a (len_q × E) slice of dQ per outer index,
   // so with many outer indices there is one set (no extra memory). Items
-  // of several members cost a slice per member: one item per thread then
-  // (docs/performance.md, "Mask gradients summed in the kernels"). A mask
-  // gradient that broadcasts over the keys takes one set: every key block
-  // sums into it.
+  // of several members cost a slice per member: one item per thread then,
+  // and no more sets than keep those slices within a quarter of the
+  // scores' size (len_q × len_kv per outer index) (docs/performance.md,
+  // "Mask gradients summed in the kernels"). A mask gradient that
+  // broadcasts over the keys takes one set: every key block sums into it.
   const int64_t key_blocks = div_up(p.len_kv, split.block_kv);
   const int64_t items_per_thread = split.members > 1 ? 1 : 2;
-  bp.grad_q_splits =
-      std::clamp<int64_t>(div_up(items_per_thread * threads, std::max<int64_t>(groups, 1)), 1,
-                          std::max<int64_t>(key_blocks, 1));
+  int64_t most_sets = std::max<int64_t>(key_blocks, 1);
+  if (split.members > 1) {
+    most_sets = std::min(most_sets, 1 + p.len_kv / (4 * std::max<int64_t>(p.dim_qk, 1)));
+  }
+  bp.grad_q_splits = std::clamp<int64_t>(
+      div_up(items_per_thread * threads, std::max<int64_t>(groups, 1)), 1, most_sets);
   if (bp.grad_mask.data && bp.grad_mask.col_stride == 0) bp.grad_q_splits = 1;
   split.items = p.len_kv > 0 ? groups * bp.grad_q_splits : 0;
   return split;

@@ -206,6 +206,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
   const bool tensor_cores = use_tensor_cores_in_backward(a.query, a.value);
   ops::AttentionCall call(ops::kBackwardOp, a, row_layout(tensor_cores));
   // (grad_logsumexp goes into D, which the CUDA host computes.)
+  if (a.grad_attn_mask) {
+    // (Both backward kernels sum it with atomics.)
+    at::globalContext().alertNotDeterministic(
+        "fusedmha.attention_backward with grad_attn_mask=True on CUDA");
+  }
   const BackwardParams bp =
       call.backward(a.grad_out, a.out, a.logsumexp, a.rng_state, a.dropout_p, std::nullopt,
                     a.grad_attn_mask ? a.attn_mask : std::nullopt);

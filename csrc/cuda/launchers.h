@@ -21,7 +21,8 @@ cudaError_t flash_backward(const BackwardParams& bp, cudaStream_t stream);
 // The simple kernels (simple_kernels.cu): every dtype, head dim and layout.
 cudaError_t simple_forward(const AttentionParams& p, cudaStream_t stream);
 // Two passes (dQ per query row, then dK/dV per key row), no atomics, so
-// the gradients are deterministic; writes every row of grad_q/k/v.
+// dQ, dK and dV are deterministic (a mask's gradient is summed with
+// atomics); writes every row of grad_q/k/v.
 cudaError_t simple_backward(const BackwardParams& bp, cudaStream_t stream);
 cudaError_t simple_weights(const WeightsParams& wp, cudaStream_t stream);
 // Shared memory per block the simple kernels need for a call (the host

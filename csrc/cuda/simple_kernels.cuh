@@ -171,9 +171,11 @@ __device__ __forceinline__ BackwardElement<A> backward_element(const AttentionPa
   return {pr, z, dcap};
 }
 
-// The backward in two passes without atomics (so deterministic), both
-// recomputing P: dQ with one warp per query row, then dK and dV with one
-// warp per key row. dS = P∘(dP∘Z/(1−p) − D), D = rowsum(dO∘O).
+// The backward in two passes without atomics for dQ, dK and dV (so those
+// are deterministic), both recomputing P: dQ with one warp per query row,
+// then dK and dV with one warp per key row. dS = P∘(dP∘Z/(1−p) − D),
+// D = rowsum(dO∘O). A float mask's gradient, where asked for, is summed
+// with atomics (its elements may be shared by rows, heads and batches).
 template <typename T, typename A>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) backward_dq_kernel(const BackwardParams params) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;

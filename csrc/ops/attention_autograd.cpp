@@ -103,7 +103,8 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     const SavedCall call = SavedCall::load(ctx);
     const std::optional<at::Tensor> grad_lse =
         grads[1].defined() ? std::optional<at::Tensor>(grads[1]) : std::nullopt;
-    const bool mask_grad = ctx->saved_data["mask_grad"].toBool();
+    // (Only where it is still wanted: torch.autograd.grad(out, q) skips it.)
+    const bool mask_grad = ctx->saved_data["mask_grad"].toBool() && ctx->needs_input_grad(3);
     auto [dq, dk, dv, dmask] = fusedmha::attention_backward(
         grad_out, saved[0], saved[1], saved[2], out, saved[4], saved[5], call.attn_mask,
         call.dropout_p, call.is_causal, call.scale, call.enable_gqa, call.variants, grad_lse,
@@ -207,10 +208,11 @@ class AttentionWeightsFunction : public torch::autograd::Function<AttentionWeigh
     // The gradient of the scores after softcap, ALiBi and masks (those add
     // constants, or zero P).
     at::Tensor grad_scores = grad_kept.sub(probs.mul(row_sums));
-    if (ctx->saved_data["mask_grad"].toBool()) {
-      result[4] = mask_gradient(*call.attn_mask,
-                                at::sum_to(grad_scores, mask_gradient_sums_shape(*call.attn_mask))
-                                    .mul(mask_gradient_scale(*call.attn_mask)));
+    if (ctx->saved_data["mask_grad"].toBool() && ctx->needs_input_grad(4)) {
+      result[4] = mask_gradient(
+          *call.attn_mask,
+          scaled_mask_gradient_sums(
+              at::sum_to(grad_scores, mask_gradient_sums_shape(*call.attn_mask)), *call.attn_mask));
     }
 
     at::Tensor k = k_acc;

@@ -196,6 +196,11 @@ double mask_gradient_scale(const at::Tensor& mask) {
   return 1.0 / static_cast<double>(mask_sum_shape(mask).second.expect_int());
 }
 
+at::Tensor scaled_mask_gradient_sums(const at::Tensor& sums, const at::Tensor& mask) {
+  const c10::SymInt shared = mask_sum_shape(mask).second;
+  return shared == 1 ? sums : sums.div(c10::Scalar(shared));
+}
+
 at::Tensor mask_gradient(const at::Tensor& mask, const std::optional<at::Tensor>& sums) {
   at::Tensor grad =
       sums.has_value() ? *sums : at::empty_symint(mask_sum_shape(mask).first, mask.options());

@@ -75,6 +75,9 @@ std::vector<c10::SymInt> mask_gradient_sums_shape(const at::Tensor& mask);
 // backward) gives the sum, as PyTorch's as_strided backward treats
 // overlapping memory.
 double mask_gradient_scale(const at::Tensor& mask);
+// sums (summed with ATen ops) scaled so: the same with symbolic sizes (a
+// compiled graph's), where mask_gradient_scale needs concrete ones.
+at::Tensor scaled_mask_gradient_sums(const at::Tensor& sums, const at::Tensor& mask);
 
 // Those scaled sums as the mask's gradient (attention_backward's
 // grad_attn_mask): in the mask's dtype and shape. Without sums (a Meta

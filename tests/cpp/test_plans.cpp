@@ -133,6 +133,38 @@ TEST(Plans, BackwardSplitsKeysSoThatEveryThreadGetsTwoItems) {
   EXPECT_EQ(bp.grad_q_splits, 1);
 }
 
+TEST(Plans, BackwardItemsOfOuterIndicesThatShareAMaskGradient) {
+  // B=4, H=8, L=S=1024 with the gradient of an (H, L, S) bias: the 4 batch
+  // indices of a head are one item's members, 8 items.
+  float sums = 0;
+  BackwardParams bp;
+  bp.fwd = call({4, 8}, 1024, 1024, 64);
+  bp.grad_mask.data = &sums;
+  bp.grad_mask.outer_stride[1] = 1024 * 1024;  // (batch: stride 0)
+  bp.grad_mask.row_stride = 1024;
+  bp.grad_mask.col_stride = 1;
+  WorkSplit s = plan_backward(bp, avx2(), 2);
+  EXPECT_EQ(s.members, 4);
+  EXPECT_EQ(bp.grad_q_splits, 1);
+  EXPECT_EQ(s.items, 8);
+  // An (L, S) bias every outer index shares, on 16 threads: key blocks sized
+  // for one group (1024 / (4·16) = 16 keys, whole micro-kernels of 6: 18),
+  // one set per thread, up to 1 + S / (4·E) = 5 sets (their dQ slices
+  // within a quarter of the scores).
+  bp.grad_mask.outer_stride[1] = 0;
+  s = plan_backward(bp, avx2(), 16);
+  EXPECT_EQ(s.members, 32);
+  EXPECT_EQ(s.block_kv, 18);
+  EXPECT_EQ(bp.grad_q_splits, 5);
+  EXPECT_EQ(s.items, 5);
+  // Broadcast over the keys too (an (L, 1) bias): one set, every key block
+  // summing into it.
+  bp.grad_mask.col_stride = 0;
+  s = plan_backward(bp, avx2(), 16);
+  EXPECT_EQ(bp.grad_q_splits, 1);
+  EXPECT_EQ(s.items, 1);
+}
+
 TEST(Plans, WeightsBlocksOfQueryRows) {
   WeightsParams wp;
   wp.fwd = call({1, 4}, 100, 50, 64);

@@ -56,6 +56,17 @@ def check_mask_gradient(pb, got, want, rounded):
     mask = pb.mask
     expect(got.shape == mask.shape and got.dtype == mask.dtype,
            f"grad_attn_mask: {describe(got)} for the mask {describe(mask)}")
+    # An expanded mask's elements share memory: each holds the sum over the expanded dims
+    # divided by their count (the op's contract), where the float64 leaf has one per element.
+    shared = [d for d in range(mask.dim()) if mask.stride(d) == 0 and mask.shape[d] > 1]
+
+    def as_shared(w):
+        if not shared:
+            return w
+        return (w.sum(shared, keepdim=True) / math.prod(mask.shape[d] for d in shared)).expand(mask.shape)
+
+    want = as_shared(want)
+    rounded = None if rounded is None else (as_shared(rounded[0]), rounded[1])
     summed = math.prod(outer_of(pb)) * pb.q.shape[-2] * pb.k.shape[-2] / max(1, mask.numel())
     floor = max(GRAD_FIXED_FACTOR * fixed_floor(pb, pb.q.dtype), GRAD_FLOOR_CPU[pb.q.dtype])
     assert_gradient_close(got, want, rounded, "attn_mask", dtype=pb.q.dtype,
