@@ -5,6 +5,7 @@ set(FUSEDMHA_SOURCES
   csrc/ops/attention.cpp
   csrc/ops/merge_attention.cpp
   csrc/ops/kvcache_attention.cpp
+  csrc/ops/kv_quantization.cpp
   csrc/ops/attention_checks.cpp
   csrc/ops/attention_shapes.cpp
   csrc/ops/attention_params_filler.cpp

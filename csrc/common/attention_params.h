@@ -120,6 +120,9 @@ struct Pages {
   int64_t size = 0;
   int64_t page_stride_k = 0;
   int64_t page_stride_v = 0;
+  // (Quantized K/V: their scales' pages, the same way.)
+  int64_t page_stride_k_scale = 0;
+  int64_t page_stride_v_scale = 0;
 };
 
 // The forward pass; the backward and weights passes read it too (with
@@ -134,6 +137,12 @@ struct AttentionParams {
   int64_t dim_v = 0;
 
   Matrix q, k, v;
+  // Quantized K/V (kv_storage not Dense): k and v hold 8-bit codes, and
+  // k_scale / v_scale each key row's float32 scale (one-column matrices
+  // laid out as k's and v's rows, paged alike: k_scale_at, v_scale_at); key
+  // j's values are its codes · its scale.
+  KVStorage kv_storage = KVStorage::Dense;
+  Matrix k_scale, v_scale;
   MaskKind mask_kind = MaskKind::None;
   Matrix mask;
   // Padding of the keys, when set: outer index o sees only keys [begin,
@@ -207,6 +216,16 @@ FUSEDMHA_HOST_DEVICE int64_t k_row_offset(const AttentionParams& p, int64_t o, i
 FUSEDMHA_HOST_DEVICE int64_t v_row_offset(const AttentionParams& p, int64_t o, int64_t j) {
   return key_row_offset(p, p.v, p.pages.page_stride_v, o, j);
 }
+// Where quantized key row j's scale is (rows j.. up to the end of its page
+// follow k_scale.row_stride apart); the same for v.
+FUSEDMHA_HOST_DEVICE const float* k_scale_at(const AttentionParams& p, int64_t o, int64_t j) {
+  return static_cast<const float*>(p.k_scale.data) +
+         key_row_offset(p, p.k_scale, p.pages.page_stride_k_scale, o, j);
+}
+FUSEDMHA_HOST_DEVICE const float* v_scale_at(const AttentionParams& p, int64_t o, int64_t j) {
+  return static_cast<const float*>(p.v_scale.data) +
+         key_row_offset(p, p.v_scale, p.pages.page_stride_v_scale, o, j);
+}
 
 // A key block length for p: block itself, or with pages the largest
 // divisor of the page size that is at most block (so blocks never cross a
@@ -241,6 +260,8 @@ FUSEDMHA_HOST_DEVICE AttentionParams sequence_of(const AttentionParams& p, int64
     if (!p.pages.table) {  // (paged keys are found through the block table)
       skip_rows(s.k, first);
       skip_rows(s.v, first);
+      skip_rows(s.k_scale, first);
+      skip_rows(s.v_scale, first);
     }
   }
   if (p.seq.used_k) s.len_kv = p.seq.used_k[b];
@@ -387,9 +408,11 @@ FUSEDMHA_HOST_DEVICE BackwardParams sequence_of(const BackwardParams& bp, int64_
 }
 
 // What only the CPU kernels read: key spans (found by the CPU host's mask
-// scan, ops/mask_structure.h) and dQ split into several copies. The CUDA
+// scan, ops/mask_structure.h), quantized K/V and dQ split into several copies. The CUDA
 // launchers refuse params that set them (csrc/cuda/attention_cuda.cpp).
-inline bool uses_cpu_only_fields(const AttentionParams& p) { return p.key_spans != nullptr; }
+inline bool uses_cpu_only_fields(const AttentionParams& p) {
+  return p.key_spans != nullptr || p.kv_storage != KVStorage::Dense;
+}
 inline bool uses_cpu_only_fields(const BackwardParams& bp) {
   return uses_cpu_only_fields(bp.fwd) || bp.grad_q_splits != 1;
 }

@@ -14,4 +14,9 @@ enum class MaskKind {
   AdditiveFloat32  // added to the scores, float32 (for half-precision queries)
 };
 
+// How key and value are stored: in the query's dtype, or quantized as
+// 8-bit codes with a float32 scale per row and head (value = code · scale:
+// attention_with_kvcache's quantized caches).
+enum class KVStorage { Dense, Int8, Float8E4M3, Float8E5M2 };
+
 }  // namespace fusedmha

@@ -8,6 +8,7 @@
 // own private copy.
 
 #include "common/attention_params.h"
+#include "cpu/kv_codes.h"
 #include "cpu/mask_bits.h"
 #include "cpu/prefetch.h"
 #include "cpu/simd.h"
@@ -21,8 +22,8 @@ namespace {
 
 // Reads the inputs described by AttentionParams tile by tile, in the layouts
 // the micro-kernels want (query panels transposed, key rows, value panels),
-// widening half precision to acc_t, and queues the lines of the next tiles
-// for prefetching.
+// widening half precision and quantized K/V codes to acc_t, and queues the
+// lines of the next tiles for prefetching.
 template <typename scalar_t, typename acc_t>
 class TileInputs {
  public:
@@ -100,10 +101,25 @@ class TileInputs {
   }
 
   // The same for keys k0..k0+cols of K or V (a block within one page when
-  // the cache is paged).
+  // the cache is paged); quantized codes always into dst, times their
+  // rows' scales.
   enum class KeySide { K, V };
   const acc_t* key_rows_of(KeySide side, int64_t o, int64_t k0, int64_t cols, int64_t dim,
                            bool panel_rows, acc_t* dst, int64_t* ld) const {
+    if (quantized()) {
+      *ld = round_up(dim, nr);
+      const uint8_t* codes = key_codes(side, o, k0);
+      const float* scale = scale_at(side, o, k0);
+      const int64_t row_stride = key_matrix(side).row_stride;
+      const int64_t scale_stride = scale_matrix(side).row_stride;
+      for (int64_t j = 0; j < cols; ++j) {
+        acc_t* d = dst + j * *ld;
+        dequantize(p_.kv_storage, codes + j * row_stride, static_cast<acc_t>(scale[j * scale_stride]),
+                   d, dim);
+        std::fill(d + dim, d + *ld, acc_t(0));
+      }
+      return dst;
+    }
     return rows_at(key_rows(side, o, k0), key_matrix(side).row_stride, cols, dim, panel_rows,
                    dst, ld);
   }
@@ -115,6 +131,7 @@ class TileInputs {
   // (a row stride apart), which the caches prefetch far better.
   void key_panels_of(KeySide side, int64_t o, int64_t k0, int64_t cols, int64_t dim,
                      acc_t* dst) const {
+    if (quantized()) return code_panels_of(side, o, k0, cols, dim, dst);
     const scalar_t* first = key_rows(side, o, k0);
     const int64_t row_stride = key_matrix(side).row_stride, full = dim / nr * nr;
     for (int64_t e = 0; e < full; e += nr) {  // (stores in order)
@@ -183,14 +200,15 @@ class TileInputs {
   // Queues keys k0..k0+cols of K or V (dim wide) to be brought into L2.
   void queue_key_rows(PrefetchQueue& queue, KeySide side, int64_t o, int64_t k0, int64_t cols,
                       int64_t dim) const {
-    constexpr int64_t size = sizeof(scalar_t);
-    queue.add(key_rows(side, o, k0), key_matrix(side).row_stride * size, cols, dim * size);
+    const int64_t size = key_element_bytes();
+    queue.add(key_source(side, o, k0), key_matrix(side).row_stride * size, cols, dim * size);
   }
 
   // Where keys k0.. of outer index o start in K or V (before any widening):
   // two heads that read the same rows have the same address.
   const void* key_source(KeySide side, int64_t o, int64_t k0) const {
-    return key_rows(side, o, k0);
+    return static_cast<const char*>(key_matrix(side).data) +
+           key_offset(side, o, k0) * key_element_bytes();
   }
 
  protected:
@@ -206,9 +224,44 @@ class TileInputs {
   }
 
   const Matrix& key_matrix(KeySide side) const { return side == KeySide::K ? p_.k : p_.v; }
+  int64_t key_offset(KeySide side, int64_t o, int64_t k0) const {
+    return side == KeySide::K ? k_row_offset(p_, o, k0) : v_row_offset(p_, o, k0);
+  }
   const scalar_t* key_rows(KeySide side, int64_t o, int64_t k0) const {
-    return static_cast<const scalar_t*>(key_matrix(side).data) +
-           (side == KeySide::K ? k_row_offset(p_, o, k0) : v_row_offset(p_, o, k0));
+    return static_cast<const scalar_t*>(key_matrix(side).data) + key_offset(side, o, k0);
+  }
+
+  // Quantized K/V (p_.kv_storage): one byte a code, a float32 scale per row.
+  bool quantized() const { return p_.kv_storage != KVStorage::Dense; }
+  int64_t key_element_bytes() const { return quantized() ? 1 : int64_t{sizeof(scalar_t)}; }
+  const uint8_t* key_codes(KeySide side, int64_t o, int64_t k0) const {
+    return static_cast<const uint8_t*>(key_source(side, o, k0));
+  }
+  const Matrix& scale_matrix(KeySide side) const {
+    return side == KeySide::K ? p_.k_scale : p_.v_scale;
+  }
+  const float* scale_at(KeySide side, int64_t o, int64_t k0) const {
+    return side == KeySide::K ? k_scale_at(p_, o, k0) : v_scale_at(p_, o, k0);
+  }
+  // key_panels_of for quantized codes.
+  void code_panels_of(KeySide side, int64_t o, int64_t k0, int64_t cols, int64_t dim,
+                      acc_t* dst) const {
+    const uint8_t* first = key_codes(side, o, k0);
+    const float* scale = scale_at(side, o, k0);
+    const int64_t row_stride = key_matrix(side).row_stride;
+    const int64_t scale_stride = scale_matrix(side).row_stride, full = dim / nr * nr;
+    for (int64_t e = 0; e < full; e += nr) {
+      for (int64_t j = 0; j < cols; ++j) {
+        dequantize(p_.kv_storage, first + j * row_stride + e,
+                   static_cast<acc_t>(scale[j * scale_stride]), dst + (e * cols + j * nr), nr);
+      }
+    }
+    for (int64_t j = 0; full < dim && j < cols; ++j) {
+      acc_t* tail = dst + full * cols + j * nr;
+      dequantize(p_.kv_storage, first + j * row_stride + full,
+                 static_cast<acc_t>(scale[j * scale_stride]), tail, dim - full);
+      std::fill(tail + dim - full, tail + nr, acc_t(0));
+    }
   }
 
   const acc_t* rows_at(const scalar_t* first, int64_t row_stride, int64_t rows, int64_t dim,

@@ -224,6 +224,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_forward_cuda(
     const ops::VarlenForwardArgs& a) {
   ops::check_varlen_forward_inputs(ops::kVarlenForwardOp, a);
+  TORCH_CHECK(!a.k_scale.has_value(), ops::kVarlenForwardOp,
+              ": quantized key and value (k_scale, v_scale) are read by the CPU kernels only; "
+              "on CUDA, pass a cache in the query's dtype");
   const c10::cuda::CUDAGuard guard(a.query.device());
   auto [out, lse, rng_state] = ops::allocate_varlen_outputs(a.query, a.value);
   // (Paged caches take the simple kernels, which find every key row through

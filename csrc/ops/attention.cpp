@@ -97,10 +97,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_forward(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
     int64_t max_seqlen_k, double dropout_p, bool is_causal, std::optional<double> scale,
-    const AttentionVariants& variants, const OptTensor& seqused_k, const OptTensor& block_table) {
+    const AttentionVariants& variants, const OptTensor& seqused_k, const OptTensor& block_table,
+    const OptTensor& k_scale, const OptTensor& v_scale) {
   static const auto op = ops::find_op<ops::VarlenForwardArgs>();
   return ops::call_op(op, query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                      dropout_p, is_causal, scale, variants, seqused_k, block_table);
+                      dropout_p, is_causal, scale, variants, seqused_k, block_table, k_scale,
+                      v_scale);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward(
@@ -124,7 +126,7 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache(
                  step.cache_seqlens, step.cache_batch_idx, step.cache_leftpad, step.block_table,
                  scale, is_causal, step.rotary_interleaved, variants.window_left,
                  variants.window_right, variants.softcap, variants.alibi_slopes, variants.sinks,
-                 std::nullopt);
+                 std::nullopt, step.k_scale, step.v_scale);
 }
 
 TORCH_LIBRARY_IMPL(fusedmha, CompositeImplicitAutograd, m) { FUSEDMHA_OP_IMPL(m, sdpa_composite); }

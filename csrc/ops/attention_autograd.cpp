@@ -390,14 +390,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_autograd(const 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_forward_autograd(
     const VarlenForwardArgs& a) {
   check_slopes_need_no_grad(kVarlenForwardOp, a.variants.alibi_slopes);
-  if (records_nothing(
-          {&a.query, &a.key, &a.value, &a.cu_seqlens_q, &a.cu_seqlens_k},
-          {&a.variants.alibi_slopes, &a.variants.sinks, &a.seqused_k, &a.block_table})) {
+  const bool records = !records_nothing(
+      {&a.query, &a.key, &a.value, &a.cu_seqlens_q, &a.cu_seqlens_k},
+      {&a.variants.alibi_slopes, &a.variants.sinks, &a.seqused_k, &a.block_table, &a.k_scale,
+       &a.v_scale});
+  if (!records) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     return fusedmha::varlen_attention_forward(
         a.query, a.key, a.value, a.cu_seqlens_q, a.cu_seqlens_k, a.max_seqlen_q, a.max_seqlen_k,
-        a.dropout_p, a.is_causal, a.scale, a.variants, a.seqused_k, a.block_table);
+        a.dropout_p, a.is_causal, a.scale, a.variants, a.seqused_k, a.block_table, a.k_scale,
+        a.v_scale);
   }
+  TORCH_CHECK(!a.k_scale.has_value() && !a.v_scale.has_value(), kVarlenForwardOp,
+              ": quantized key and value (k_scale, v_scale) are forward only; call it under "
+              "torch.no_grad() or with inputs that do not require grad");
   const SavedCall call{std::nullopt, a.dropout_p,         a.is_causal,
                        a.scale,      /*enable_gqa=*/true, a.variants};
   auto outputs = VarlenAttentionFunction::apply(a.query, a.key, a.value, packed_batch(a), call,

@@ -1,6 +1,7 @@
 #include "ops/attention_checks.h"
 
 #include "ops/attention_shapes.h"
+#include "ops/kv_quantization.h"
 #include "ops/quick_views.h"
 
 #include <algorithm>
@@ -116,7 +117,8 @@ static void check_attention_inputs(const char* op,
                             double dropout_p,
                             std::optional<double> scale,
                             bool enable_gqa,
-                            const AttentionVariants& variants) {
+                            const AttentionVariants& variants,
+                            bool quantized_kv = false) {
   TORCH_CHECK(query.dim() >= 2 && key.dim() >= 2 && value.dim() >= 2, op,
               ": expected query (..., L, E), key (..., S, E) and value (..., S, Ev) to have at "
               "least 2 dims, got query.dim()=", query.dim(), ", key.dim()=", key.dim(),
@@ -125,7 +127,8 @@ static void check_attention_inputs(const char* op,
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 ||
                   dtype == at::kHalf,
               op, ": expected query of dtype float32, float64, bfloat16 or float16, got ", dtype);
-  TORCH_CHECK(key.scalar_type() == dtype && value.scalar_type() == dtype, op,
+  // (Quantized codes: check_quantized_kv.)
+  TORCH_CHECK(quantized_kv || (key.scalar_type() == dtype && value.scalar_type() == dtype), op,
               ": expected query, key and value to have the same dtype, got query.dtype=", dtype,
               ", key.dtype=", key.scalar_type(), ", value.dtype=", value.scalar_type());
   TORCH_CHECK(key.device() == query.device() && value.device() == query.device(), op,
@@ -209,10 +212,44 @@ void check_lengths_tensor(const char* op, const char* name, const at::Tensor& t,
 
 }  // namespace
 
+// Quantized key and value: codes of one 8-bit dtype, and float32 scales of
+// their shapes without the last dim, on the query's device.
+static void check_quantized_kv(const char* op, const at::Tensor& query, const at::Tensor& key,
+                               const at::Tensor& value, const PackedBatch& batch) {
+  TORCH_CHECK(batch.k_scale.has_value() && batch.v_scale.has_value(), op,
+              ": pass k_scale and v_scale together (a quantized key and value)");
+  TORCH_CHECK(key.dim() >= 1 && value.dim() >= 1, op,
+              ": expected key and value of at least one dim, got ", key.dim(), " and ", value.dim());
+  TORCH_CHECK(kv_storage_of(key.scalar_type()) != KVStorage::Dense &&
+                  value.scalar_type() == key.scalar_type(),
+              op, ": with k_scale and v_scale, expected key and value of one quantized dtype "
+              "(int8, float8_e4m3fn or float8_e5m2), got ", key.scalar_type(), " and ",
+              value.scalar_type());
+  for (const auto& [name, s, t] :
+       {std::make_tuple("k_scale", &*batch.k_scale, &key),
+        std::make_tuple("v_scale", &*batch.v_scale, &value)}) {
+    const c10::SymIntArrayRef rows = t->sym_sizes().slice(0, t->dim() - 1);
+    TORCH_CHECK(s->scalar_type() == at::kFloat && s->sym_sizes() == rows &&
+                    s->device() == query.device(),
+                op, ": expected ", name, " of dtype float32 and shape ", shape_str(rows),
+                " (one scale per row and head) on the query's device (", query.device(),
+                "), got ", s->scalar_type(), " of shape ", shape_str(s->sym_sizes()), " on ",
+                s->device());
+  }
+}
+
 // A packed batch's tensors, as check_varlen_forward_inputs says.
 static void check_packed_inputs(const char* op, const at::Tensor& query, const at::Tensor& key,
                          const at::Tensor& value, const PackedBatch& batch, double dropout_p,
-                         std::optional<double> scale, const AttentionVariants& variants) {
+                         std::optional<double> scale, const AttentionVariants& variants,
+                         bool quantized_kv = false) {
+  if (batch.k_scale.has_value() || batch.v_scale.has_value()) {
+    check_quantized_kv(op, query, key, value, batch);
+    PackedBatch codes = batch;
+    codes.k_scale.reset(), codes.v_scale.reset();
+    return check_packed_inputs(op, query, key, value, codes, dropout_p, scale, variants,
+                               /*quantized_kv=*/true);
+  }
   if (batch.block_table.has_value()) {
     // A paged cache: checked as the packed rows of its pages, plus the table.
     TORCH_CHECK(key.dim() == 4 && value.dim() == 4 && key.sym_size(0) == value.sym_size(0) &&
@@ -234,7 +271,7 @@ static void check_packed_inputs(const char* op, const at::Tensor& query, const a
     PackedBatch rows = batch;
     rows.block_table.reset();
     return check_packed_inputs(op, query, quick_flatten_01(key), quick_flatten_01(value), rows,
-                               dropout_p, scale, variants);
+                               dropout_p, scale, variants, quantized_kv);
   }
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3, op,
               ": expected a packed batch: query (total_q, H, E), key (total_k, H_kv, E) and "
@@ -253,7 +290,7 @@ static void check_packed_inputs(const char* op, const at::Tensor& query, const a
                          quick_transpose(value, 0, 1),
                          std::nullopt, dropout_p, scale, /*enable_gqa=*/true, AttentionVariants{
                              variants.window_left, variants.window_right, variants.bottom_right,
-                             variants.softcap, std::nullopt, variants.sinks});
+                             variants.softcap, std::nullopt, variants.sinks}, quantized_kv);
   const c10::SymInt b = batch.cu_seqlens_q.dim() == 1 ? batch.cu_seqlens_q.sym_size(0) - 1 : -1;
   TORCH_CHECK(b >= 0, op, ": expected cu_seqlens_q of shape (B + 1), got ",
               shape_str(batch.cu_seqlens_q.sym_sizes()));
@@ -310,7 +347,7 @@ void check_forward_inputs(const char* op, const ForwardArgs& a) {
 
 PackedBatch packed_batch(const VarlenForwardArgs& a) {
   return {a.cu_seqlens_q, a.cu_seqlens_k, a.max_seqlen_q, a.max_seqlen_k, a.seqused_k,
-          a.block_table};
+          a.block_table, a.k_scale, a.v_scale};
 }
 
 PackedBatch packed_batch(const VarlenBackwardArgs& a) {

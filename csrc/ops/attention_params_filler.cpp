@@ -2,6 +2,7 @@
 
 #include "ops/attention_checks.h"
 #include "ops/attention_shapes.h"
+#include "ops/kv_quantization.h"
 #include "ops/mask_structure.h"
 #include "ops/quick_views.h"
 
@@ -187,6 +188,27 @@ AttentionCall::AttentionCall(const char* op, const at::Tensor& query, const at::
     p.len_kv = std::min(batch.max_seqlen_k, key.size(0));
     p.k = describe_in_layout(key, false);
     p.v = describe_in_layout(value, false);
+  }
+  if (batch.k_scale.has_value()) {
+    // Quantized K/V: each scale tensor (k's and v's shape without the last
+    // dim) read as one-column rows laid out as k's and v's, pages alike.
+    p.kv_storage = kv_storage_of(key.scalar_type());
+    const bool paged = batch.block_table.has_value();
+    auto describe_scales = [&](const at::Tensor& s) {
+      const at::Tensor column = s.unsqueeze(-1);
+      Matrix m;  // (no pages: nothing is read)
+      if (!paged || s.size(0) > 0) {
+        m = describe_rows(paged ? quick_first(column) : column, false);
+      }
+      m.data = const_cast<void*>(s.const_data_ptr());
+      return m;
+    };
+    p.k_scale = describe_scales(*batch.k_scale);
+    p.v_scale = describe_scales(*batch.v_scale);
+    if (paged) {
+      p.pages.page_stride_k_scale = batch.k_scale->stride(0);
+      p.pages.page_stride_v_scale = batch.v_scale->stride(0);
+    }
   }
   // (Packed heads: sequence b's query row is row b, a batch dim of its own.)
   if (group_ == 1) p.seq.cu_q = batch.cu_seqlens_q.const_data_ptr<int32_t>();

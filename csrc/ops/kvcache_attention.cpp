@@ -20,6 +20,7 @@
 // only where one path has an autocast kernel).
 
 #include "ops/attention_checks.h"
+#include "ops/kv_quantization.h"
 #include "ops/op_args.h"
 #include "ops/quick_views.h"
 
@@ -29,6 +30,7 @@
 #include <ATen/MemoryOverlap.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/util/accumulate.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -231,23 +233,29 @@ bool may_share_memory(const at::Tensor& a, const at::Tensor& b) {
   return reachable(dims->size(), b.storage_offset() - a.storage_offset());
 }
 
-// The append on the CPU as row copies, where each cache row (H_kv, E) is
-// contiguous (the usual caches): the general path, index_put_ with index
-// tensors, is a dozen ATen ops per call, a large share of a short decoding
-// step (docs/performance.md, "A decoding call's fixed cost").
+// The append on the CPU as row copies, where each cache row (H_kv, E), or
+// each scale row (H_kv) of a quantized cache, is contiguous (the usual
+// caches): the general path, index_put_ with index tensors, is a dozen ATen
+// ops per call, a large share of a short decoding step
+// (docs/performance.md, "A decoding call's fixed cost").
 // Keeps the bytes it overwrites, for undo().
 class RowAppend {
  public:
-  static bool applies(const at::Tensor& cache) {
-    return cache.is_cpu() && (cache.size(3) <= 1 || cache.stride(3) == 1) &&
-           (cache.size(2) <= 1 || cache.stride(2) == cache.size(3));
+  // Whether t's rows, its dims past the first two, are contiguous.
+  static bool applies(const at::Tensor& t) {
+    int64_t contiguous_stride = 1;
+    for (int64_t d = t.dim() - 1; d >= 2; --d) {
+      if (t.size(d) > 1 && t.stride(d) != contiguous_stride) return false;
+      contiguous_stride *= t.size(d);
+    }
+    return t.is_cpu();
   }
-  // Row n of rows (B, added, H_kv, E), n = b·added + i, into the cache's
-  // row places[n] = (cache or page index, row). (The caller bumps the
-  // caches' versions first, as an in-place op would: that may refuse.)
-  RowAppend(at::Tensor& cache, const at::Tensor& rows,
+  // Row n of rows (B, added, ...), n = b·added + i, into the cache's row
+  // places[n] = (cache or page index, row). (The caller bumps the caches'
+  // versions first, as an in-place op would: that may refuse.)
+  RowAppend(const at::Tensor& cache, const at::Tensor& rows,
             const std::vector<std::pair<int64_t, int64_t>>& places)
-      : row_bytes_(cache.size(2) * cache.size(3) * cache.element_size()) {
+      : row_bytes_(c10::multiply_integers(cache.sizes().slice(2)) * cache.element_size()) {
     if (row_bytes_ == 0) return;  // (rows of no elements: nothing to copy, no buffers)
     const at::Tensor src = rows.scalar_type() == cache.scalar_type() && rows.is_contiguous()
                                ? rows
@@ -289,22 +297,50 @@ void check_devices(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   }
 }
 
+// Quantized caches: codes of one 8-bit dtype, and float32 scales of the
+// caches' shapes without the last dim, on q's device.
+void check_quantized_caches(const ops::KVCacheArgs& a) {
+  TORCH_CHECK(a.k_scale.has_value() && a.v_scale.has_value(), kOp,
+              ": pass k_scale and v_scale together (a quantized cache)");
+  TORCH_CHECK(ops::kv_storage_of(a.k_cache.scalar_type()) != KVStorage::Dense &&
+                  a.v_cache.scalar_type() == a.k_cache.scalar_type(),
+              kOp, ": with k_scale and v_scale, expected k_cache and v_cache of one quantized "
+              "dtype (int8, float8_e4m3fn or float8_e5m2), got ", a.k_cache.scalar_type(), " and ",
+              a.v_cache.scalar_type());
+  for (const auto& [name, s, cache] : {std::make_tuple("k_scale", &*a.k_scale, &a.k_cache),
+                                       std::make_tuple("v_scale", &*a.v_scale, &a.v_cache)}) {
+    const c10::SymIntArrayRef rows = cache->sym_sizes().slice(0, 3);
+    TORCH_CHECK(s->scalar_type() == at::kFloat && s->sym_sizes() == rows &&
+                    s->device() == a.q.device(),
+                kOp, ": expected ", name, " of dtype float32 and shape ", rows,
+                " (the cache's without its last dim) on q's device (", a.q.device(), "), got ",
+                s->scalar_type(), " of shape ", s->sym_sizes(), " on ", s->device());
+  }
+}
+
 // The checks that need no values, for the real kernel and the shape kernel
 // alike: ranks, arguments that go together, dtypes, devices. (Every tensor's
 // device: one meta tensor among CPU ones sends a call to the shape kernel.)
 void check_arguments(const ops::KVCacheArgs& a) {
   auto& [q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
          cache_leftpad, block_table, scale, is_causal, rotary_interleaved, window_left,
-         window_right, softcap, alibi_slopes, sinks, cache_seqlens_sym] = a;
+         window_right, softcap, alibi_slopes, sinks, cache_seqlens_sym, k_scale, v_scale] = a;
   TORCH_CHECK(q.dim() == 4 && k_cache.dim() == 4 && v_cache.dim() == 4, kOp,
               ": expected q (B, L, H, E) and k_cache/v_cache (B_cache, S_cache, H_kv, E) or "
               "pages (num_pages, page_size, H_kv, E), got ", q.sym_sizes(), ", ",
               k_cache.sym_sizes(), " and ", v_cache.sym_sizes());
   TORCH_CHECK(at::isFloatingType(q.scalar_type()), kOp,
               ": expected q of dtype float32, float64, bfloat16 or float16, got ", q.scalar_type());
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-              kOp, ": expected k_cache and v_cache of q's dtype (", q.scalar_type(), "), got ",
-              k_cache.scalar_type(), " and ", v_cache.scalar_type());
+  if (k_scale.has_value() || v_scale.has_value()) {
+    check_quantized_caches(a);
+  } else {
+    TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+                kOp, ": expected k_cache and v_cache of q's dtype (", q.scalar_type(), "), got ",
+                k_cache.scalar_type(), " and ", v_cache.scalar_type(),
+                ops::kv_storage_of(k_cache.scalar_type()) != KVStorage::Dense
+                    ? " (a quantized cache needs k_scale and v_scale)"
+                    : "");
+  }
   check_devices(q, k_cache, v_cache, k, v);
   TORCH_CHECK(k.has_value() == v.has_value(), kOp, ": pass k and v together");
   TORCH_CHECK(rotary_cos.has_value() == rotary_sin.has_value(), kOp,
@@ -336,7 +372,7 @@ void check_arguments(const ops::KVCacheArgs& a) {
 // devices are checked here and in check_arguments, so that errors name this
 // op, not the kernel it hands the call to.)
 void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache, const OptTensor& k,
-                  const OptTensor& v) {
+                  const OptTensor& v, const OptTensor& k_scale, const OptTensor& v_scale) {
   if (k.has_value() && v.has_value()) {
     TORCH_CHECK(at::isFloatingType(k->scalar_type()) && at::isFloatingType(v->scalar_type()), kOp,
                 ": expected floating-point k and v, got ", k->scalar_type(), " and ",
@@ -353,13 +389,27 @@ void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache, const Op
     TORCH_CHECK(!shares(k_cache, **t) && !shares(v_cache, **t),
                 kOp, ": the new k and v must not share memory with k_cache or v_cache");
   }
+  if (!k_scale.has_value()) return;
+  // A quantized cache's scales are written in place too.
+  const at::Tensor &ks = *k_scale, &vs = *v_scale;
+  TORCH_CHECK(!may_overlap_itself(ks) && !may_overlap_itself(vs) && !shares(ks, vs), kOp,
+              ": k_scale and v_scale are written in place and must not share memory (with each "
+              "other or within themselves)");
+  for (const OptTensor* t : {&k, &v}) {
+    TORCH_CHECK(!t->has_value() ||
+                    (!shares(ks, **t) && !shares(vs, **t)),
+                kOp, ": the new k and v must not share memory with k_scale or v_scale");
+  }
+  TORCH_CHECK(!shares(ks, k_cache) && !shares(ks, v_cache) && !shares(vs, k_cache) &&
+                  !shares(vs, v_cache),
+              kOp, ": k_scale and v_scale must not share memory with k_cache or v_cache");
 }
 
 // The attention over the caches once the new rows are in: seqlens + added
 // keys per sequence, from its left padding.
 std::tuple<at::Tensor, at::Tensor> attend(
     const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-    const CacheSequences& seq, int64_t added, bool paged,
+    const OptTensor& k_scale, const OptTensor& v_scale, const CacheSequences& seq, int64_t added, bool paged,
     bool chosen_caches, bool has_leftpad, const OptTensor& block_table, int64_t page,
     int64_t rows_per_sequence, std::optional<double> scale, bool is_causal,
     const AttentionVariants& variants) {
@@ -408,15 +458,18 @@ std::tuple<at::Tensor, at::Tensor> attend(
                                    : at::cat({at::zeros({1}, int32), used().cumsum(0).to(at::kInt)});
     auto [out, lse, rng] = varlen_attention_forward(packed_q(), k_cache, v_cache, cu_q(), cu_k, L,
                                                     rows_per_sequence, 0.0, is_causal, scale,
-                                                    variants, std::nullopt, table);
+                                                    variants, std::nullopt, table, k_scale,
+                                                    v_scale);
     return unpack(out, lse);
   }
   // (caches chosen by cache_batch_idx, with left padding: copied)
   const at::Tensor index = chosen_caches ? seq.indices(at::kLong) : at::Tensor();
   // (the first B caches are read in place)
-  const at::Tensor keys = chosen_caches ? k_cache.index_select(0, index) : k_cache;
-  const at::Tensor values = chosen_caches ? v_cache.index_select(0, index) : v_cache;
-  if (on_cpu && B > 0 && no_leftpad &&
+  auto chosen = [&](const at::Tensor& t) { return chosen_caches ? t.index_select(0, index) : t; };
+  const at::Tensor keys = chosen(k_cache), values = chosen(v_cache);
+  const bool quantized = k_scale.has_value();
+  // (A quantized cache takes the packed path: the scales are its fields.)
+  if (on_cpu && B > 0 && no_leftpad && !quantized &&
       std::all_of(used_host.begin(), used_host.end(), [&](int64_t x) { return x == used_host[0]; })) {
     // The caches' first n rows as (B, H_kv, n, E), q as (B, H, L, E).
     const int64_t n = used_host[0];
@@ -441,10 +494,17 @@ std::tuple<at::Tensor, at::Tensor> attend(
     starts = at::cat({at::arange(B, int32).mul(S).add(seq.leftpad), at::full({1}, B * S, int32)});
     lengths = used().sub(seq.leftpad).to(at::kInt);
   }
+  // (B·S rows of the first B caches, and of their scales)
+  auto rows = [&](const at::Tensor& t) {
+    std::vector<int64_t> shape{B * S};
+    shape.insert(shape.end(), t.sizes().begin() + 2, t.sizes().end());
+    return t.narrow(0, 0, B).reshape(shape);
+  };
+  OptTensor key_scales, value_scales;
+  if (quantized) key_scales = rows(chosen(*k_scale)), value_scales = rows(chosen(*v_scale));
   auto [out, lse, rng] = varlen_attention_forward(
-      packed_q(), keys.narrow(0, 0, B).reshape({B * S, keys.size(2), keys.size(3)}),
-      values.narrow(0, 0, B).reshape({B * S, values.size(2), values.size(3)}), cu_q(), starts, L,
-      S, 0.0, is_causal, scale, variants, lengths);
+      packed_q(), rows(keys), rows(values), cu_q(), starts, L, S, 0.0, is_causal, scale, variants,
+      lengths, std::nullopt, key_scales, value_scales);
   return unpack(out, lse);
 }
 
@@ -452,7 +512,7 @@ std::tuple<at::Tensor, at::Tensor> attend(
 std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_kernel(const ops::KVCacheArgs& a) {
   auto& [q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
          cache_leftpad, block_table, scale, is_causal, rotary_interleaved, window_left,
-         window_right, softcap, alibi_slopes, sinks, cache_seqlens_sym] = a;
+         window_right, softcap, alibi_slopes, sinks, cache_seqlens_sym, k_scale, v_scale] = a;
   const at::NoGradGuard inference_only;
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   // (A backend kernel gets real tensors, so the int is concrete.)
@@ -460,7 +520,7 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_kernel(const ops::KVCa
       cache_seqlens_sym.has_value() ? std::optional<int64_t>(cache_seqlens_sym->expect_int())
                                     : std::nullopt;
   check_arguments(a);
-  check_caches(k_cache, v_cache, k, v);
+  check_caches(k_cache, v_cache, k, v, k_scale, v_scale);
   const bool paged = block_table.has_value();
   TORCH_CHECK(!paged || (!cache_batch_idx.has_value() && !cache_leftpad.has_value()), kOp,
               ": cache_batch_idx and cache_leftpad are not supported with block_table (a paged "
@@ -571,13 +631,27 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_kernel(const ops::KVCa
                      rotary_interleaved);
     }
   }
+  // The rows to append: for a quantized cache, their codes and scales.
+  const bool quantized = k_scale.has_value();
+  OptTensor k_codes = new_k, v_codes = v, k_row_scales, v_row_scales;
+  if (quantized && k.has_value()) {
+    std::tie(k_codes, k_row_scales) = ops::quantize_rows(*new_k, k_cache.scalar_type());
+    std::tie(v_codes, v_row_scales) = ops::quantize_rows(*v, v_cache.scalar_type());
+  }
+  // (The tensors the append writes, with their new rows: the caches, and a
+  // quantized cache's scales.)
+  std::vector<std::pair<at::Tensor, at::Tensor>> written;
+  if (k.has_value()) {
+    written = {{k_cache, *k_codes}, {v_cache, *v_codes}};
+    if (quantized) written.insert(written.end(), {{*k_scale, *k_row_scales}, {*v_scale, *v_row_scales}});
+  }
   // The append, undone if the attention refuses the call: a bad call leaves
   // the caches as they were. (The rows it overwrites are kept: B x L_new.)
   std::vector<at::indexing::TensorIndex> where;
-  at::Tensor old_k, old_v;
-  std::optional<RowAppend> k_rows, v_rows;
-  if (k.has_value() && device.is_cpu() && RowAppend::applies(k_cache) &&
-      RowAppend::applies(v_cache)) {
+  std::vector<at::Tensor> old_rows;
+  std::vector<RowAppend> row_appends;
+  if (k.has_value() && device.is_cpu() &&
+      std::all_of(written.begin(), written.end(), [](const auto& t) { return RowAppend::applies(t.first); })) {
     std::vector<std::pair<int64_t, int64_t>> places;  // (cache or page, row) of each new row
     const at::Tensor table = paged ? block_table->contiguous() : at::Tensor();
     for (int64_t b = 0; b < B; ++b) {
@@ -588,10 +662,9 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_kernel(const ops::KVCa
             paged ? row % page : row);
       }
     }
-    k_cache.unsafeGetTensorImpl()->bump_version();
-    v_cache.unsafeGetTensorImpl()->bump_version();
-    k_rows.emplace(k_cache, *new_k, places);
-    v_rows.emplace(v_cache, *v, places);
+    for (const auto& [t, rows] : written) t.unsafeGetTensorImpl()->bump_version();
+    row_appends.reserve(written.size());
+    for (const auto& [t, rows] : written) row_appends.emplace_back(t, rows, places);
   } else if (k.has_value()) {
     const at::Tensor rows = seq.lengths(at::kLong).unsqueeze(1) +
                             at::arange(added, at::TensorOptions(device).dtype(at::kLong));
@@ -600,23 +673,18 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_kernel(const ops::KVCa
     } else {
       where = {seq.indices(at::kLong).unsqueeze(1), rows};
     }
-    old_k = k_cache.index(where);
-    old_v = v_cache.index(where);
-    k_cache.index_put_(where, new_k->to(k_cache.scalar_type()));
-    v_cache.index_put_(where, v->to(v_cache.scalar_type()));
+    for (auto& [t, rows] : written) {
+      old_rows.push_back(t.index(where));
+      t.index_put_(where, rows.to(t.scalar_type()));
+    }
   }
   try {
-    return attend(query, k_cache, v_cache, seq, added, paged, cache_batch_idx.has_value(),
-                  cache_leftpad.has_value(), block_table, page, rows_per_sequence, scale,
-                  is_causal, a.variants());
+    return attend(query, k_cache, v_cache, k_scale, v_scale, seq, added, paged,
+                  cache_batch_idx.has_value(), cache_leftpad.has_value(), block_table, page,
+                  rows_per_sequence, scale, is_causal, a.variants());
   } catch (const c10::Error& e) {
-    if (k_rows.has_value()) {
-      v_rows->undo();
-      k_rows->undo();
-    } else if (k.has_value()) {
-      k_cache.index_put_(where, old_k);
-      v_cache.index_put_(where, old_v);
-    }
+    for (size_t n = row_appends.size(); n-- > 0;) row_appends[n].undo();
+    for (size_t n = old_rows.size(); n-- > 0;) written[n].first.index_put_(where, old_rows[n]);
     // Named as the entry point called, not the op the call was handed to.
     std::string message = e.what_without_backtrace();
     for (const std::string inner : {ops::kVarlenForwardOp, ops::kForwardOp}) {
@@ -636,7 +704,8 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_kernel(const ops::KVCa
 std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_meta(const ops::KVCacheArgs& a) {
   const auto& [q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                cache_batch_idx, cache_leftpad, block_table, scale, is_causal, rotary_interleaved,
-               window_left, window_right, softcap, alibi_slopes, sinks, cache_seqlens_sym] = a;
+               window_left, window_right, softcap, alibi_slopes, sinks, cache_seqlens_sym, k_scale,
+               v_scale] = a;
   check_arguments(a);
   const auto lse_dtype = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   return {at::empty_symint({q.sym_size(0), q.sym_size(1), q.sym_size(2), v_cache.sym_size(3)},
@@ -654,7 +723,7 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_autograd(const ops::KV
   return op.call(a.q, a.k_cache, a.v_cache, a.k, a.v, a.rotary_cos, a.rotary_sin, a.cache_seqlens,
                  a.cache_batch_idx, a.cache_leftpad, a.block_table, a.scale, a.is_causal,
                  a.rotary_interleaved, a.window_left, a.window_right, a.softcap, a.alibi_slopes,
-                 a.sinks, a.cache_seqlens_value);
+                 a.sinks, a.cache_seqlens_value, a.k_scale, a.v_scale);
 }
 
 }  // namespace

@@ -104,6 +104,8 @@ struct VarlenForwardArgs {
   const AttentionVariants& variants;
   const OptTensor& seqused_k;
   const OptTensor& block_table;
+  const OptTensor& k_scale;
+  const OptTensor& v_scale;
 };
 
 // fusedmha::varlen_attention_backward.
@@ -150,6 +152,8 @@ struct KVCacheArgs {
   const OptTensor& alibi_slopes;
   const OptTensor& sinks;
   std::optional<c10::SymInt> cache_seqlens_value;
+  const OptTensor& k_scale;
+  const OptTensor& v_scale;
 
   AttentionVariants variants() const {
     return {window_left, window_right, /*bottom_right=*/true, softcap, alibi_slopes, sinks};
@@ -186,7 +190,8 @@ struct OpOf<KVCacheArgs> {
       const at::Tensor&, at::Tensor&, at::Tensor&, const OptTensor&, const OptTensor&,
       const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&,
       const OptTensor&, std::optional<double>, bool, bool, int64_t, int64_t, double,
-      const OptTensor&, const OptTensor&, std::optional<c10::SymInt>);
+      const OptTensor&, const OptTensor&, std::optional<c10::SymInt>, const OptTensor&,
+      const OptTensor&);
 };
 
 namespace op_args_detail {

@@ -10,7 +10,9 @@
 // sequence)), k and v are a paged cache instead, (num_pages, page_size,
 // H_kv, E/Ev): key j of sequence b is row j % page_size of page
 // block_table[b, j / page_size], and cu_seqlens_k (or seqused_k) only gives
-// the sequences' key counts. Paged calls are forward only.
+// the sequences' key counts. Paged calls are forward only. With k_scale
+// and v_scale (float32, k's and v's shapes without the last dim), k and v
+// are quantized: 8-bit codes whose values are code · scale (forward only).
 
 #include <ATen/core/Tensor.h>
 
@@ -24,6 +26,7 @@ struct PackedBatch {
   int64_t max_seqlen_q = 0, max_seqlen_k = 0;
   std::optional<at::Tensor> seqused_k;
   std::optional<at::Tensor> block_table;
+  std::optional<at::Tensor> k_scale, v_scale;
 };
 
 }  // namespace fusedmha::ops

@@ -54,12 +54,16 @@ TORCH_LIBRARY(fusedmha, m) {
   // for padding. Returns the output (total_q, H, Ev), the log-sum-exp (H,
   // total_q) and the rng state; dropout element (b·H + h, i, j) (i, j within
   // the sequence) is drawn as attention_forward's. With block_table, k and v
-  // are a paged cache (forward only; see ops/packed_batch.h).
+  // are a paged cache (forward only; see ops/packed_batch.h). With k_scale
+  // and v_scale, k and v hold 8-bit codes (int8, float8_e4m3fn or
+  // float8_e5m2) and each key row's float32 scale per head: a quantized
+  // cache, read as code · scale (forward only).
   m.def(
       "varlen_attention_forward(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens_q, "
       "Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float dropout_p=0.0, "
       "bool is_causal=False, float? scale=None, " VARIANTS ", Tensor? seqused_k=None, "
-      "Tensor? block_table=None) -> (Tensor output, Tensor logsumexp, Tensor rng_state)");
+      "Tensor? block_table=None, Tensor? k_scale=None, Tensor? v_scale=None"
+      ") -> (Tensor output, Tensor logsumexp, Tensor rng_state)");
   m.def(
       "varlen_attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, "
       "Tensor out, Tensor logsumexp, Tensor rng_state, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
@@ -75,6 +79,10 @@ TORCH_LIBRARY(fusedmha, m) {
   // cache_seqlens for every sequence, in place of the tensor (flash_attn's
   // int form: a step then makes no tensor for it; a SymInt, so that
   // torch.compile keeps it dynamic instead of recompiling each step).
+  // k_scale/v_scale: the caches are quantized (int8, float8_e4m3fn or
+  // float8_e5m2 codes), each row and head with its float32 scale, shape
+  // (B_cache, S_cache, H_kv) or (num_pages, page_size, H_kv); new rows are
+  // quantized as they are appended (quantize_kv's rule).
   m.def(
       "attention_with_kvcache(Tensor query, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor? k=None, Tensor? v=None, Tensor? rotary_cos=None, Tensor? rotary_sin=None, "
@@ -82,7 +90,8 @@ TORCH_LIBRARY(fusedmha, m) {
       "Tensor? block_table=None, float? scale=None, bool is_causal=False, "
       "bool rotary_interleaved=True, *, int window_left=-1, int window_right=-1, "
       "float softcap=0.0, Tensor? alibi_slopes=None, Tensor? sinks=None, "
-      "SymInt? cache_seqlens_value=None) -> (Tensor output, Tensor logsumexp)");
+      "SymInt? cache_seqlens_value=None, Tensor(c!)? k_scale=None, Tensor(d!)? v_scale=None"
+      ") -> (Tensor output, Tensor logsumexp)");
   // Private test hook, not API: the dropout keep-mask (outer, len_q,
   // len_kv) that a call with this rng_state and dropout_p applies (outer =
   // batch dims x heads), so tests can build the exact reference.
@@ -102,6 +111,12 @@ TORCH_LIBRARY(fusedmha, m) {
   // (outputs (B, L, H, E), lses (B, H, L)), combined by their log-sum-exp:
   // the output and lse over all the keys (csrc/ops/merge_attention.cpp).
   m.def("merge_attention(Tensor[] outputs, Tensor[] lses) -> (Tensor output, Tensor lse)");
+  // A quantized KV cache's rows (csrc/ops/kv_quantization.cpp): x (..., E)
+  // as 8-bit codes of dtype (int8, float8_e4m3fn, float8_e5m2) and one
+  // float32 scale per row (...), max|row| / the dtype's largest code; and
+  // back, codes · scale in dtype.
+  m.def("quantize_kv(Tensor x, ScalarType dtype) -> (Tensor codes, Tensor scale)");
+  m.def("dequantize_kv(Tensor codes, Tensor scale, ScalarType dtype=float) -> Tensor");
   // torch.nn.functional.scaled_dot_product_attention's signature; a
   // composite of attention_forward (csrc/ops/attention.cpp).
   m.def(

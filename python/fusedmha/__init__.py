@@ -39,6 +39,7 @@ from fusedmha.flash_attn import (  # noqa: E402
     merge_attention,
 )
 from fusedmha.functional import scaled_dot_product_attention  # noqa: E402
+from fusedmha.kv_quantization import dequantize_kv, quantize_kv  # noqa: E402
 from fusedmha.modules import MultiheadAttention  # noqa: E402
 
 
@@ -63,6 +64,8 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_with_kvcache",
     "merge_attention",
+    "quantize_kv",
+    "dequantize_kv",
     "build_info",
     "cpu_fma_peak_gflops",
     "__version__",

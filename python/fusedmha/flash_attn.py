@@ -268,6 +268,8 @@ def flash_attn_with_kvcache(
     return_softmax_lse: bool = False,
     *,
     sinks: Optional[Tensor] = None,
+    k_scale: Optional[Tensor] = None,
+    v_scale: Optional[Tensor] = None,
 ):
     """flash_attn.flash_attn_with_kvcache, for inference: append the new keys and values to a
     KV cache in place, then attend over the cache (the op ``torch.ops.fusedmha.
@@ -293,6 +295,12 @@ def flash_attn_with_kvcache(
     and ``cache_leftpad`` are not supported, as in FlashAttention). ``cache_batch_idx`` alone
     reads the selected caches in place (as pages of a whole cache each).
 
+    With ``k_scale``/``v_scale`` (float32, the caches' shapes without their last dim), the
+    caches are quantized: ``k_cache``/``v_cache`` hold int8, ``float8_e4m3fn`` or
+    ``float8_e5m2`` codes and a cached value is ``code * scale`` (one scale per row and head).
+    New rows are quantized as they are appended (:func:`fusedmha.quantize_kv`'s rule, into the
+    caches and the scales in place), and the kernels read the codes directly (CPU only).
+
     ``num_splits`` is accepted for compatibility (the CPU kernels split the keys themselves).
     Returns the output ``(B, L, H, E)``, and with ``return_softmax_lse`` also the log-sum-exp
     ``(B, H, L)``.
@@ -312,6 +320,8 @@ def flash_attn_with_kvcache(
             or sinks is not None):
         kwargs.update(window_left=window_left, window_right=window_right, softcap=float(softcap),
                       alibi_slopes=alibi_slopes, sinks=sinks)
+    if k_scale is not None or v_scale is not None:
+        kwargs.update(k_scale=k_scale, v_scale=v_scale)
     out, lse = _WITH_KVCACHE(*args, **kwargs)
     return (out, lse) if return_softmax_lse else out
 

@@ -139,7 +139,11 @@ FUSEDMHA_API at::Tensor attention_weights(
 // Differentiable with respect to query, key, value and the sinks. With
 // block_table (int32, (B, pages per sequence)), key and value are a paged
 // cache (num_pages, page_size, H_kv, E/Ev) instead, and cu_seqlens_k (or
-// seqused_k) only gives each sequence's key count: forward only.
+// seqused_k) only gives each sequence's key count: forward only. With
+// k_scale and v_scale (float32, key's and value's shapes without the last
+// dim), key and value are quantized: 8-bit codes (int8, float8_e4m3fn or
+// float8_e5m2; see quantize_kv) whose values are code · scale, read as
+// such by the kernels: forward only, on the CPU.
 FUSEDMHA_API std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_forward(
     const at::Tensor& query,
     const at::Tensor& key,
@@ -153,7 +157,9 @@ FUSEDMHA_API std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_for
     std::optional<double> scale = std::nullopt,
     const AttentionVariants& variants = {},
     const std::optional<at::Tensor>& seqused_k = std::nullopt,
-    const std::optional<at::Tensor>& block_table = std::nullopt);
+    const std::optional<at::Tensor>& block_table = std::nullopt,
+    const std::optional<at::Tensor>& k_scale = std::nullopt,
+    const std::optional<at::Tensor>& v_scale = std::nullopt);
 
 // The backward of varlen_attention_forward (fusedmha::varlen_attention_backward),
 // as attention_backward is attention_forward's.
@@ -184,12 +190,16 @@ FUSEDMHA_API std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bac
 // the new k at their positions, counted from cache_leftpad[b] (the rows
 // before it are skipped), as adjacent pairs (rotary_interleaved) or halves;
 // block_table (int32 (B, pages per sequence)) for a paged cache (num_pages,
-// page_size, H_kv, E).
+// page_size, H_kv, E); k_scale/v_scale (float32, the caches' shapes
+// without their last dim) for quantized caches of 8-bit codes (int8,
+// float8_e4m3fn or float8_e5m2): a cached value is code · scale, and the
+// new rows are quantized into them and their scales in place (quantize_kv).
 struct KVCacheStep {
   std::optional<at::Tensor> k, v;
   std::optional<at::Tensor> rotary_cos, rotary_sin;
   bool rotary_interleaved = true;
   std::optional<at::Tensor> cache_seqlens, cache_batch_idx, cache_leftpad, block_table;
+  std::optional<at::Tensor> k_scale, v_scale;
 };
 
 // One generation step against a KV cache (fusedmha::attention_with_kvcache,
@@ -216,5 +226,20 @@ FUSEDMHA_API std::tuple<at::Tensor, at::Tensor> attention_with_kvcache(
 // Differentiable.
 FUSEDMHA_API std::tuple<at::Tensor, at::Tensor> merge_attention(at::TensorList outputs,
                                                                at::TensorList lses);
+
+// A quantized KV cache's rows (fusedmha::quantize_kv): x (..., E) as 8-bit
+// codes of dtype (at::kChar, at::kFloat8_e4m3fn or at::kFloat8_e5m2) and
+// one float32 scale per row (...), scale = max|row| / qmax (qmax = 127, 448
+// or 57344; a row of zeros gets scale 0), codes = x / scale rounded to the
+// nearest (int8: halves to even, as torch.round) or converted to fp8
+// (round to nearest even). What attention_with_kvcache appends with.
+FUSEDMHA_API std::tuple<at::Tensor, at::Tensor> quantize_kv(const at::Tensor& x,
+                                                           at::ScalarType dtype);
+
+// The values codes · scale of a quantized cache, in dtype
+// (fusedmha::dequantize_kv): for tests and debugging (the kernels never
+// make this copy).
+FUSEDMHA_API at::Tensor dequantize_kv(const at::Tensor& codes, const at::Tensor& scale,
+                                      at::ScalarType dtype = at::kFloat);
 
 }  // namespace fusedmha

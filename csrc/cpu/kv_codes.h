@@ -1,0 +1,126 @@
+#pragma once
+
+// Quantized K/V codes read as acc_t: int8, float8_e4m3fn and float8_e5m2
+// codes times their row's scale, a vector at a time (attention_with_kvcache's
+// quantized caches; ops/kv_quantization.h has the rule that wrote them).
+//
+// Each conversion is exact: an int8 code is an integer, an e5m2 code is the
+// high byte of an fp16, and an e4m3 code moves into an fp16 as its sign,
+// exponent and mantissa bits (e4m3's 2^-6 subnormal scale is fp16's 2^-14
+// times 2^8): so a value is code · scale rounded once in acc_t, as
+// dequantize_kv's float32 product, and F16C converts both fp8 kinds.
+//
+// Included only by the per-ISA kernel units (compiled once per level with
+// -DCPU_CAPABILITY=<LEVEL>, see cpu/isa_kernels.h): everything here lives in
+// an anonymous namespace inside fusedmha::cpu::<LEVEL>.
+
+#include "common/attention_types.h"
+#include "cpu/simd.h"
+
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+
+#include <cstdint>
+
+namespace fusedmha::cpu {
+namespace CPU_CAPABILITY {
+namespace {
+
+// The value of one code (the vector loops' tails, and acc_t double).
+inline float code_value(KVStorage s, uint8_t c) {
+  switch (s) {
+    case KVStorage::Int8: return static_cast<float>(static_cast<int8_t>(c));
+    case KVStorage::Float8E4M3:
+      return static_cast<float>(c10::Float8_e4m3fn(c, c10::Float8_e4m3fn::from_bits()));
+    case KVStorage::Float8E5M2:
+      return static_cast<float>(c10::Float8_e5m2(c, c10::Float8_e5m2::from_bits()));
+    case KVStorage::Dense: break;
+  }
+  return 0.0f;
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+using CodeLanes = __m256i;  // 16 codes, one per 16-bit lane
+using FloatLanes = __m512;
+constexpr int64_t kCodeLanes = 16;
+CodeLanes load_codes(const uint8_t* c) {
+  return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
+}
+FloatLanes int8_codes(const uint8_t* c) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c))));
+}
+FloatLanes fp16_lanes(CodeLanes h) { return _mm512_cvtph_ps(h); }
+CodeLanes lanes_of(int16_t x) { return _mm256_set1_epi16(x); }
+CodeLanes both(CodeLanes a, CodeLanes b) { return _mm256_and_si256(a, b); }
+CodeLanes either(CodeLanes a, CodeLanes b) { return _mm256_or_si256(a, b); }
+template <int kBits>
+CodeLanes shifted_left(CodeLanes a) { return _mm256_slli_epi16(a, kBits); }
+CodeLanes equal(CodeLanes a, CodeLanes b) { return _mm256_cmpeq_epi16(a, b); }
+FloatLanes splat(float x) { return _mm512_set1_ps(x); }
+FloatLanes times(FloatLanes a, FloatLanes b) { return _mm512_mul_ps(a, b); }
+void store(float* d, FloatLanes x) { _mm512_storeu_ps(d, x); }
+#elif defined(CPU_CAPABILITY_AVX2)
+using CodeLanes = __m128i;  // 8 codes, one per 16-bit lane
+using FloatLanes = __m256;
+constexpr int64_t kCodeLanes = 8;
+CodeLanes load_codes(const uint8_t* c) {
+  return _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c)));
+}
+FloatLanes int8_codes(const uint8_t* c) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c))));
+}
+FloatLanes fp16_lanes(CodeLanes h) { return _mm256_cvtph_ps(h); }
+CodeLanes lanes_of(int16_t x) { return _mm_set1_epi16(x); }
+CodeLanes both(CodeLanes a, CodeLanes b) { return _mm_and_si128(a, b); }
+CodeLanes either(CodeLanes a, CodeLanes b) { return _mm_or_si128(a, b); }
+template <int kBits>
+CodeLanes shifted_left(CodeLanes a) { return _mm_slli_epi16(a, kBits); }
+CodeLanes equal(CodeLanes a, CodeLanes b) { return _mm_cmpeq_epi16(a, b); }
+FloatLanes splat(float x) { return _mm256_set1_ps(x); }
+FloatLanes times(FloatLanes a, FloatLanes b) { return _mm256_mul_ps(a, b); }
+void store(float* d, FloatLanes x) { _mm256_storeu_ps(d, x); }
+#endif
+
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+// e4m3 codes as fp16 bits: exponent and mantissa just below the sign, read
+// as the value / 2^8; the NaN code (0x7F in magnitude) as an fp16 NaN.
+CodeLanes e4m3_as_fp16(CodeLanes x) {
+  const CodeLanes magnitude = both(x, lanes_of(0x7F));
+  const CodeLanes sign = shifted_left<8>(both(x, lanes_of(0x80)));
+  return either(either(sign, shifted_left<7>(magnitude)), equal(magnitude, lanes_of(0x7F)));
+}
+#endif
+
+// dst[0..n) = codes[0..n) · scale, codes stored as s.
+template <typename acc_t>
+inline void dequantize(KVStorage s, const uint8_t* codes, acc_t scale, acc_t* dst, int64_t n) {
+  int64_t e = 0;
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    const FloatLanes vs = splat(scale), unit = splat(256.0f);
+    const int64_t whole = n / kCodeLanes * kCodeLanes;
+    switch (s) {
+      case KVStorage::Int8:
+        for (; e < whole; e += kCodeLanes) store(dst + e, times(int8_codes(codes + e), vs));
+        break;
+      case KVStorage::Float8E5M2:  // (the high byte of an fp16)
+        for (; e < whole; e += kCodeLanes) {
+          store(dst + e, times(fp16_lanes(shifted_left<8>(load_codes(codes + e))), vs));
+        }
+        break;
+      case KVStorage::Float8E4M3:  // (the product by 2^8 is exact)
+        for (; e < whole; e += kCodeLanes) {
+          const FloatLanes x = fp16_lanes(e4m3_as_fp16(load_codes(codes + e)));
+          store(dst + e, times(times(x, unit), vs));
+        }
+        break;
+      case KVStorage::Dense: break;
+    }
+  }
+#endif
+  for (; e < n; ++e) dst[e] = static_cast<acc_t>(code_value(s, codes[e])) * scale;
+}
+
+}  // namespace
+}  // namespace CPU_CAPABILITY
+}  // namespace fusedmha::cpu
