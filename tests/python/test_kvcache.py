@@ -18,7 +18,7 @@ def test_signature_is_flash_attn_2s():
         "cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None, "
         "softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, "
         "rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False, *, "
-        "sinks=None)")
+        "sinks=None, k_scale=None, v_scale=None)")
 
 
 def rotate(x, cos, sin, positions, interleaved):
