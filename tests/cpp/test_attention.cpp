@@ -494,3 +494,36 @@ TEST(Attention, KVCacheFromCpp) {
     EXPECT_TRUE(torch::allclose(out[b], want.transpose(0, 1), 1e-12, 1e-12)) << "sequence " << b;
   }
 }
+
+// A quantized cache through the C++ front door: quantize_kv fills it, the
+// step's rows are quantized into codes and scales in place, and the output
+// equals attention over the dequantized cache (a float64 cache of the same
+// values, through the same door).
+TEST(Attention, QuantizedKVCacheFromCpp) {
+  torch::manual_seed(0);
+  const int64_t B = 2, S_cache = 32, H = 4, H_kv = 2, E = 24;
+  for (const auto codes : {torch::kChar, torch::kFloat8_e4m3fn, torch::kFloat8_e5m2}) {
+    auto [k_cache, k_scale] = fusedmha::quantize_kv(torch::randn({B, S_cache, H_kv, E}), codes);
+    auto [v_cache, v_scale] = fusedmha::quantize_kv(torch::randn({B, S_cache, H_kv, E}), codes);
+    const auto q = torch::randn({B, 1, H, E});
+    const auto k = torch::randn({B, 1, H_kv, E}), v = torch::randn({B, 1, H_kv, E});
+    fusedmha::KVCacheStep step;
+    step.k = k;
+    step.v = v;
+    step.cache_seqlens = torch::tensor({5, 20}, torch::kInt);
+    step.k_scale = k_scale;
+    step.v_scale = v_scale;
+    const auto out = std::get<0>(fusedmha::attention_with_kvcache(q, k_cache, v_cache, step,
+                                                                  std::nullopt, true));
+    const auto [new_codes, new_scale] = fusedmha::quantize_kv(k, codes);
+    EXPECT_TRUE(torch::equal(k_cache[1][20].to(torch::kFloat), new_codes[1][0].to(torch::kFloat)));
+    EXPECT_TRUE(torch::equal(k_scale[1][20], new_scale[1][0]));
+    auto keys = fusedmha::dequantize_kv(k_cache, k_scale, torch::kDouble);
+    auto values = fusedmha::dequantize_kv(v_cache, v_scale, torch::kDouble);
+    fusedmha::KVCacheStep full;
+    full.cache_seqlens = torch::tensor({6, 21}, torch::kInt);
+    const auto want = std::get<0>(fusedmha::attention_with_kvcache(
+        q.to(torch::kDouble), keys, values, full, std::nullopt, true));
+    EXPECT_TRUE(torch::allclose(out.to(torch::kDouble), want, 1e-5, 2e-6)) << codes;
+  }
+}
