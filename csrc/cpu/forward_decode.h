@@ -49,6 +49,9 @@ inline void ForwardKernel<scalar_t, acc_t>::run_decode(int64_t item) {
   // block once.
   const void* kt_keys = nullptr;
   int64_t kt_cols = 0;
+  // Quantized K/V read straight from their codes (cpu/decode_codes.h): the
+  // panels' queries are rows then (start_panel).
+  const bool codes = tiles_.codes_in_registers();
   for (int64_t k0 = kv_begin; p_.len_q > 0 && k0 < kv_end; k0 += split_.block_kv) {
     const int64_t cols = std::min(split_.block_kv, kv_end - k0);
     for (int64_t h = 0; h < panels; ++h) {
@@ -63,15 +66,19 @@ inline void ForwardKernel<scalar_t, acc_t>::run_decode(int64_t item) {
       int64_t ldk = 0, ldv;
       const void* keys = tiles_.key_source(Tiles::KeySide::K, o, k0);
       const bool in_lanes = Tiles::scores_in_lanes(rows);
-      const bool transposed = keys == kt_keys && cols == kt_cols && !in_lanes;
+      const bool transposed = keys == kt_keys && cols == kt_cols && !in_lanes && !codes;
       queue_next_head_block(h, panels, k0, kv_end, rows, o0, transposed);
       PrefetchQueue* pq = &prefetch_;
-      const acc_t* k = transposed ? nullptr
-                                  : tiles_.key_rows_of(Tiles::KeySide::K, o, k0, cols, p_.dim_qk,
-                                                       false, ws_.k, &ldk);
-      tiles_.few_row_scores(k, ldk, cols, head_rows(h, bq), rows, ls, ws_.st, ws_.kt, pq,
-                            transposed);
-      if (!in_lanes) kt_keys = keys, kt_cols = cols;  // (lane_scores writes no kt)
+      if (codes) {
+        tiles_.code_scores_of(o, k0, cols, head_rows(h, bq), rows, ws_.st, ls, pq);
+      } else {
+        const acc_t* k = transposed ? nullptr
+                                    : tiles_.key_rows_of(Tiles::KeySide::K, o, k0, cols,
+                                                         p_.dim_qk, false, ws_.k, &ldk);
+        tiles_.few_row_scores(k, ldk, cols, head_rows(h, bq), rows, ls, ws_.st, ws_.kt, pq,
+                              transposed);
+        if (!in_lanes) kt_keys = keys, kt_cols = cols;  // (lane_scores writes no kt)
+      }
       tiles_.transform_scores(o, pn.q0, rows, ls, k0, cols, ws_.st, ws_.mt, nullptr, false,
                               pn.per_head);
       if (rows <= w) {
@@ -80,6 +87,10 @@ inline void ForwardKernel<scalar_t, acc_t>::run_decode(int64_t item) {
         softmax_step(ls, cols, st, /*terms=*/nullptr, pq);
       }
       if (k0 != kv_begin) rescale_output(0, rows, st);  // (the first block's output is 0)
+      if (codes) {
+        tiles_.code_values_of(o, k0, cols, ws_.st, ls, rows, st.o, ws_.dv);
+        continue;
+      }
       const acc_t* v =
           tiles_.key_rows_of(Tiles::KeySide::V, o, k0, cols, p_.dim_v, true, ws_.v, &ldv);
       gemm<acc_t, /*kRowsOfA=*/false, /*kAccumulate=*/true>(
@@ -170,6 +181,10 @@ inline void ForwardKernel<scalar_t, acc_t>::queue_next_head_block(int64_t h, int
     tiles_.queue_mask_tile(prefetch_, next.o, next.q0, next.rows(), next_k0, next_cols);
   }
   const int64_t cols = std::min(split_.block_kv, kv_end - k0);
+  if (tiles_.codes_in_registers()) {
+    prefetch_.pace(code_score_steps(cols, rows) + div_up(cols, kSoftmaxKeysPerBurst));
+    return;
+  }
   prefetch_.pace(tiles_.few_row_bursts(cols, rows, keys_transposed) +
                  div_up(cols, kSoftmaxKeysPerBurst) + ws_.dv / nr * div_up(rows, kMicroRows));
 }
@@ -201,7 +216,14 @@ inline void ForwardKernel<scalar_t, acc_t>::start_panel(const Panel& pn, int64_t
                                                         int64_t h) {
   const int64_t rows = pn.rows(), per_head = pn.per_head;
   const RowState<acc_t> st = head_state(h, bq);
-  if (rows > 0) {
+  if (rows > 0 && tiles_.codes_in_registers()) {
+    // (Rows up to a multiple of 4 zero: code_scores takes them 4 at a time.)
+    for (int64_t m = 0; m < pn.heads; ++m) {
+      const int64_t padded = m + 1 == pn.heads ? round_up(rows, 4) - m * per_head : per_head;
+      tiles_.pack_rows(p_.q, pn.o + m, pn.q0, per_head, padded, p_.dim_qk,
+                       static_cast<acc_t>(p_.scale), head_rows(h, bq) + m * per_head * p_.dim_qk);
+    }
+  } else if (rows > 0) {
     const int64_t lanes = Tiles::few_row_lanes(rows);
     for (int64_t m = 0; m < pn.heads; ++m) {
       // (The last head's call zeroes the panel's lanes past its rows.)

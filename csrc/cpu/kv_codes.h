@@ -46,6 +46,9 @@ constexpr int64_t kCodeLanes = 16;
 CodeLanes load_codes(const uint8_t* c) {
   return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
 }
+CodeLanes load_signed_codes(const uint8_t* c) {
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
+}
 FloatLanes int8_codes(const uint8_t* c) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c))));
 }
@@ -66,6 +69,9 @@ constexpr int64_t kCodeLanes = 8;
 CodeLanes load_codes(const uint8_t* c) {
   return _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c)));
 }
+CodeLanes load_signed_codes(const uint8_t* c) {
+  return _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c)));
+}
 FloatLanes int8_codes(const uint8_t* c) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c))));
 }
@@ -82,12 +88,14 @@ void store(float* d, FloatLanes x) { _mm256_storeu_ps(d, x); }
 #endif
 
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
-// e4m3 codes as fp16 bits: exponent and mantissa just below the sign, read
-// as the value / 2^8; the NaN code (0x7F in magnitude) as an fp16 NaN.
-CodeLanes e4m3_as_fp16(CodeLanes x) {
-  const CodeLanes magnitude = both(x, lanes_of(0x7F));
-  const CodeLanes sign = shifted_left<8>(both(x, lanes_of(0x80)));
-  return either(either(sign, shifted_left<7>(magnitude)), equal(magnitude, lanes_of(0x7F)));
+// e4m3 codes, sign-extended into 16-bit lanes (load_signed_codes), as fp16
+// bits: exponent and mantissa just below the sign, read as the value / 2^8;
+// the NaN code (0x7F in magnitude) as an fp16 NaN. (Shifted left by 7, a
+// sign-extended code has the sign in bits 14 and 15: bit 14 is cleared.)
+CodeLanes e4m3_as_fp16(CodeLanes signed_codes) {
+  const CodeLanes h = both(shifted_left<7>(signed_codes), lanes_of(int16_t(0xBF80)));
+  const CodeLanes exponent_and_mantissa = lanes_of(0x3F80);
+  return either(h, equal(both(h, exponent_and_mantissa), exponent_and_mantissa));
 }
 #endif
 
@@ -110,7 +118,7 @@ inline void dequantize(KVStorage s, const uint8_t* codes, acc_t scale, acc_t* ds
         break;
       case KVStorage::Float8E4M3:  // (the product by 2^8 is exact)
         for (; e < whole; e += kCodeLanes) {
-          const FloatLanes x = fp16_lanes(e4m3_as_fp16(load_codes(codes + e)));
+          const FloatLanes x = fp16_lanes(e4m3_as_fp16(load_signed_codes(codes + e)));
           store(dst + e, times(times(x, unit), vs));
         }
         break;

@@ -8,6 +8,7 @@
 // own private copy.
 
 #include "common/attention_params.h"
+#include "cpu/decode_codes.h"
 #include "cpu/kv_codes.h"
 #include "cpu/mask_bits.h"
 #include "cpu/prefetch.h"
@@ -151,6 +152,58 @@ class TileInputs {
       widen(first + j * row_stride + full, tail, dim - full);
       std::fill(tail + dim - full, tail + nr, acc_t(0));
     }
+  }
+
+  // Decoding over quantized K/V with the codes converted in registers
+  // (cpu/decode_codes.h): float acc_t at the levels that have it.
+  static constexpr bool kFusedCodes = kCodesInRegisters && std::is_same_v<acc_t, float>;
+  bool codes_in_registers() const { return kFusedCodes && quantized(); }
+
+  // Rows r0..r0+rows of t (dim wide) times scale, row-major into dst (dim
+  // apart), and zero rows up to padded_rows: the query rows code_scores
+  // takes.
+  void pack_rows(const Matrix& t, int64_t o, int64_t r0, int64_t rows, int64_t padded_rows,
+                 int64_t dim, acc_t scale, acc_t* dst) const {
+    const scalar_t* first = start(t, o) + r0 * t.row_stride;
+    for (int64_t i = 0; i < rows; ++i) {
+      acc_t* d = dst + i * dim;
+      widen(first + i * t.row_stride, d, dim);
+      for (int64_t e = 0; e < dim; ++e) d[e] *= scale;
+    }
+    std::fill(dst + rows * dim, dst + std::max(rows, padded_rows) * dim, acc_t(0));
+  }
+  // Sᵀ (cols × ls) of `rows` rows packed by pack_rows (zero rows up to a
+  // multiple of 4 where rows > 2) against quantized keys k0..k0+cols of
+  // outer index o.
+  void code_scores_of(int64_t o, int64_t k0, int64_t cols, const acc_t* q, int64_t rows,
+                      acc_t* st, int64_t ls, PrefetchQueue* prefetch) const {
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+    if constexpr (kFusedCodes) {
+      with_storage(p_.kv_storage, [&](auto s) {
+        code_scores<decltype(s)::value>(q, rows, key_codes(KeySide::K, o, k0), p_.k.row_stride,
+                                        k_scale_at(p_, o, k0), p_.k_scale.row_stride, cols,
+                                        p_.dim_qk, st, ls, prefetch);
+      });
+    }
+#else
+    (void)o, (void)k0, (void)cols, (void)q, (void)rows, (void)st, (void)ls, (void)prefetch;
+#endif
+  }
+  // out (rows × dim_v, ldo apart) += Pᵀ (cols × ls; scaled in place) times
+  // quantized values k0..k0+cols of outer index o.
+  void code_values_of(int64_t o, int64_t k0, int64_t cols, acc_t* p, int64_t ls, int64_t rows,
+                      acc_t* out, int64_t ldo) const {
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+    if constexpr (kFusedCodes) {
+      with_storage(p_.kv_storage, [&](auto s) {
+        code_values<decltype(s)::value>(p, ls, rows, key_codes(KeySide::V, o, k0), p_.v.row_stride,
+                                        v_scale_at(p_, o, k0), p_.v_scale.row_stride, cols,
+                                        p_.dim_v, out, ldo);
+      });
+    }
+#else
+    (void)o, (void)k0, (void)cols, (void)p, (void)ls, (void)rows, (void)out, (void)ldo;
+#endif
   }
 
   // Queues rows r0..r0+rows of t (dim wide) to be brought into L2.

@@ -64,6 +64,15 @@ def test_decode_benchmark_smoke_run():
     assert "% sum" in res.stdout, res.stdout  # (the plain read of the same bytes, beside each row)
 
 
+def test_quantized_kvcache_benchmark_smoke_run():
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_kvcache_quantized_cpu.py"),
+                          "--quick"], capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    assert res.returncode == 0, res.stderr
+    for column in ("MB read", "% bw", "% peak", "x fp32", "vs dequantized", "per-channel K"):
+        assert column in res.stdout, res.stdout
+    assert "int8" in res.stdout and "e4m3" in res.stdout and "e5m2" in res.stdout, res.stdout
+
+
 def test_peak_probe_is_a_plausible_number():
     """cpu_fma_peak_gflops measures something: more than a scalar loop could, and finite."""
     import fusedmha

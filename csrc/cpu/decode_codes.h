@@ -1,0 +1,281 @@
+#pragma once
+
+// Decoding over quantized K/V (int8 or fp8 codes, a float32 scale per row):
+// the scores and the P·V product straight from the codes, each code
+// converted in a register once per group of query rows and never stored.
+// The float tiles of the other inputs (TileInputs::key_rows_of, which
+// converts a block into L1 first and then runs the float micro-kernels)
+// cost a store and a load per element beside the 4 FMAs that a GQA group's
+// query heads spend on it; here a converted vector feeds the FMAs of up to
+// 8 rows directly, and each row's scale multiplies a score (K) or a
+// probability (V), not every element (docs/performance.md, "Quantized KV
+// caches").
+//
+// Scores are dot products: row-major query rows (scaled) against key rows,
+// summed across lanes once per key, so the FMAs are rows · keys · dim (no
+// lanes wasted on a GQA group of 4 in 8 or 16 lanes). Float acc_t, AVX2
+// and AVX-512; other levels and acc_t take the float tiles.
+//
+// Included only by the per-ISA kernel units (compiled once per level with
+// -DCPU_CAPABILITY=<LEVEL>, see cpu/isa_kernels.h): everything here lives in
+// an anonymous namespace inside fusedmha::cpu::<LEVEL>.
+
+#include "cpu/kv_codes.h"
+#include "cpu/prefetch.h"
+
+#include <algorithm>
+#include <cstdint>
+
+namespace fusedmha::cpu {
+namespace CPU_CAPABILITY {
+namespace {
+
+// code_scores issues a burst of the next block's prefetches every this many
+// keys (a multiple of every step's keys): at every step of two keys, issuing
+// cost a sixth of the call.
+constexpr int64_t kCodeKeysPerBurst = 8;
+
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+constexpr bool kCodesInRegisters = true;
+
+// One vector of codes (kCodeLanes of them) as floats: int8 and e5m2 as
+// their values, e4m3 as its value / 2^8 (code_unit).
+template <KVStorage S>
+FloatLanes code_lanes(const uint8_t* c) {
+  if constexpr (S == KVStorage::Int8) return int8_codes(c);
+  if constexpr (S == KVStorage::Float8E5M2) return fp16_lanes(shifted_left<8>(load_codes(c)));
+  return fp16_lanes(e4m3_as_fp16(load_signed_codes(c)));
+}
+
+// Two vectors of codes (2 · kCodeLanes) as code_lanes gives them. With AVX2,
+// fp8 codes become fp16 bits 16 at a time in one 256-bit register: half the
+// integer operations per code.
+template <KVStorage S>
+void code_pair(const uint8_t* c, FloatLanes& lo, FloatLanes& hi) {
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (S != KVStorage::Int8) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
+    __m256i h;
+    if constexpr (S == KVStorage::Float8E5M2) {
+      h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes), 8);
+    } else {
+      h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes), 7),
+                           _mm256_set1_epi16(int16_t(0xBF80)));
+      const __m256i exponent_and_mantissa = _mm256_set1_epi16(0x3F80);
+      h = _mm256_or_si256(h, _mm256_cmpeq_epi16(_mm256_and_si256(h, exponent_and_mantissa),
+                                                exponent_and_mantissa));
+    }
+    lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+    hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+    return;
+  }
+#endif
+  lo = code_lanes<S>(c);
+  hi = code_lanes<S>(c + kCodeLanes);
+}
+template <KVStorage S>
+constexpr float code_unit() { return S == KVStorage::Float8E4M3 ? 256.0f : 1.0f; }
+
+#if defined(CPU_CAPABILITY_AVX512)
+FloatLanes load(const float* x) { return _mm512_loadu_ps(x); }
+FloatLanes zero() { return _mm512_setzero_ps(); }
+FloatLanes fmadd(FloatLanes a, FloatLanes b, FloatLanes c) { return _mm512_fmadd_ps(a, b, c); }
+__m256 halves_added(FloatLanes a) {
+  return _mm256_add_ps(_mm512_castps512_ps256(a),
+                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+#else
+FloatLanes load(const float* x) { return _mm256_loadu_ps(x); }
+FloatLanes zero() { return _mm256_setzero_ps(); }
+FloatLanes fmadd(FloatLanes a, FloatLanes b, FloatLanes c) { return _mm256_fmadd_ps(a, b, c); }
+__m256 halves_added(FloatLanes a) { return a; }
+#endif
+
+// The lane sums of 8 vectors, as one vector of 8 floats (sums[n] of a[n]).
+__attribute__((always_inline)) inline __m256 lane_sums(const FloatLanes* a) {
+  __m256 x[8];
+  for (int n = 0; n < 8; ++n) x[n] = halves_added(a[n]);
+  const __m256 t0 = _mm256_hadd_ps(x[0], x[1]), t1 = _mm256_hadd_ps(x[2], x[3]);
+  const __m256 t2 = _mm256_hadd_ps(x[4], x[5]), t3 = _mm256_hadd_ps(x[6], x[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// Sᵀ rows i0..i0+R of keys j..j+8/R: sᵀ[key][row] = k_scale · q_row · codes,
+// R query rows of q (dim apart) against 8 / R key rows, 8 accumulators.
+template <KVStorage S, int R>
+void code_score_step(const float* q, const uint8_t* codes, int64_t code_stride,
+                     const float* scales, int64_t scale_stride, int64_t dim, float* st,
+                     int64_t ls) {
+  constexpr int K = 8 / R;
+  FloatLanes acc[8];
+  for (int n = 0; n < 8; ++n) acc[n] = zero();
+  const int64_t whole = dim / kCodeLanes * kCodeLanes;
+  int64_t e = 0;
+  for (; e + 2 * kCodeLanes <= whole; e += 2 * kCodeLanes) {  // (two vectors of each key)
+    FloatLanes k[2 * K];
+    for (int c = 0; c < K; ++c) code_pair<S>(codes + c * code_stride + e, k[2 * c], k[2 * c + 1]);
+    for (int r = 0; r < R; ++r) {
+      const FloatLanes q0 = load(q + r * dim + e), q1 = load(q + r * dim + e + kCodeLanes);
+      for (int c = 0; c < K; ++c) {
+        acc[c * R + r] = fmadd(q0, k[2 * c], acc[c * R + r]);
+        acc[c * R + r] = fmadd(q1, k[2 * c + 1], acc[c * R + r]);
+      }
+    }
+  }
+  for (; e < whole; e += kCodeLanes) {
+    FloatLanes k[K];
+    for (int c = 0; c < K; ++c) k[c] = code_lanes<S>(codes + c * code_stride + e);
+    for (int r = 0; r < R; ++r) {
+      const FloatLanes qr = load(q + r * dim + e);
+      for (int c = 0; c < K; ++c) acc[c * R + r] = fmadd(qr, k[c], acc[c * R + r]);
+    }
+  }
+  alignas(32) float sums[8];
+  _mm256_store_ps(sums, lane_sums(acc));
+  for (int c = 0; c < K; ++c) {
+    for (int r = 0; r < R; ++r) {
+      float s = sums[c * R + r];
+      for (int64_t e = whole; e < dim; ++e) {  // (a head dim that is not whole vectors)
+        s += q[r * dim + e] * code_value(S, codes[c * code_stride + e]) / code_unit<S>();
+      }
+      st[c * ls + r] = s * (scales[c * scale_stride] * code_unit<S>());
+    }
+  }
+}
+
+// Sᵀ (cols keys × ls lanes; lanes rows.. zero) of `rows` query rows (q,
+// row-major, dim apart, zero rows up to a multiple of 4 where rows > 2)
+// against cols quantized key rows; a burst of prefetch's lines per step
+// (code_score_steps).
+template <KVStorage S>
+void code_scores(const float* q, int64_t rows, const uint8_t* codes, int64_t code_stride,
+                 const float* scales, int64_t scale_stride, int64_t cols, int64_t dim,
+                 float* st, int64_t ls, PrefetchQueue* prefetch) {
+  auto run = [&](auto rows_per_step) {
+    constexpr int R = decltype(rows_per_step)::value, K = 8 / R;
+    for (int64_t i0 = 0; i0 < rows; i0 += R) {
+      int64_t j = 0;
+      for (; j + K <= cols; j += K) {
+        if (prefetch && j % kCodeKeysPerBurst == 0) prefetch->issue();
+        code_score_step<S, R>(q + i0 * dim, codes + j * code_stride, code_stride,
+                              scales + j * scale_stride, scale_stride, dim, st + j * ls + i0, ls);
+      }
+      if (j < cols && prefetch && j % kCodeKeysPerBurst != 0) prefetch->issue();
+      for (; j < cols; ++j) {  // (the block's last keys, one at a time)
+        for (int64_t r = 0; r < R; ++r) {
+          float s = 0;
+          for (int64_t e = 0; e < dim; ++e) {
+            s += q[(i0 + r) * dim + e] * code_value(S, codes[j * code_stride + e]);
+          }
+          st[j * ls + i0 + r] = s * scales[j * scale_stride];
+        }
+      }
+    }
+  };
+  if (rows == 1) {
+    run(std::integral_constant<int, 1>{});
+  } else if (rows == 2) {
+    run(std::integral_constant<int, 2>{});
+  } else {
+    run(std::integral_constant<int, 4>{});
+  }
+  const int64_t written = rows <= 2 ? rows : (rows + 3) / 4 * 4;
+  for (int64_t j = 0; j < cols; ++j) std::fill(st + j * ls + written, st + (j + 1) * ls, 0.0f);
+}
+
+// out (R rows, ldo apart; dims e0..e1, whole runs of C vectors) += Σ_j
+// p[j][row] · codes_j, with p = Pᵀ (cols × ls lanes) already multiplied by
+// each key's v_scale / code_unit: R · C accumulators, each converted vector
+// of codes used by R rows.
+template <KVStorage S, int R, int C>
+void code_value_rows(const float* p, int64_t ls, const uint8_t* codes, int64_t code_stride,
+                     int64_t cols, int64_t e0, int64_t e1, float* out, int64_t ldo) {
+  static_assert(R * C <= 8, "8 accumulators at most: the others hold codes and a probability");
+  for (int64_t e = e0; e + C * kCodeLanes <= e1; e += C * kCodeLanes) {
+    FloatLanes acc[R * C];
+    for (int r = 0; r < R; ++r) {
+      for (int c = 0; c < C; ++c) acc[r * C + c] = load(out + r * ldo + e + c * kCodeLanes);
+    }
+    for (int64_t j = 0; j < cols; ++j) {
+      FloatLanes v[C];
+      const uint8_t* row = codes + j * code_stride + e;
+      int c = 0;
+      for (; c + 2 <= C; c += 2) code_pair<S>(row + c * kCodeLanes, v[c], v[c + 1]);
+      for (; c < C; ++c) v[c] = code_lanes<S>(row + c * kCodeLanes);
+      for (int r = 0; r < R; ++r) {
+        const FloatLanes pj = splat(p[j * ls + r]);
+        for (int c = 0; c < C; ++c) acc[r * C + c] = fmadd(pj, v[c], acc[r * C + c]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int c = 0; c < C; ++c) store(out + r * ldo + e + c * kCodeLanes, acc[r * C + c]);
+    }
+  }
+}
+
+// out (rows × dim, ldo apart) += Pᵀ's rows · the cols quantized value rows;
+// p (Pᵀ, cols × ls lanes) is multiplied by each key's scale on the way.
+template <KVStorage S>
+void code_values(float* p, int64_t ls, int64_t rows, const uint8_t* codes, int64_t code_stride,
+                 const float* scales, int64_t scale_stride, int64_t cols, int64_t dim,
+                 float* out, int64_t ldo) {
+  // (Each key's scale once, on its probabilities.)
+  for (int64_t j = 0; j < cols; ++j) {
+    const float s = scales[j * scale_stride] * code_unit<S>();
+    for (int64_t i = 0; i < rows; ++i) p[j * ls + i] *= s;
+  }
+  const int64_t vectors = dim / kCodeLanes * kCodeLanes;
+  for (int64_t i0 = 0; i0 < rows;) {
+    // Rows 8, 4, 2 or 1 at a time; dims in runs of 8 / R vectors, then a vector at a time.
+    const int64_t left = rows - i0;
+    auto rows_of = [&](auto rows_per_step) {
+      constexpr int R = decltype(rows_per_step)::value;
+      constexpr int64_t span = (8 / R) * kCodeLanes;
+      const int64_t runs = dim / span * span;
+      code_value_rows<S, R, 8 / R>(p + i0, ls, codes, code_stride, cols, 0, runs, out + i0 * ldo, ldo);
+      code_value_rows<S, R, 1>(p + i0, ls, codes, code_stride, cols, runs, vectors, out + i0 * ldo, ldo);
+      return R;
+    };
+    const int R = left >= 8   ? rows_of(std::integral_constant<int, 8>{})
+                  : left >= 4 ? rows_of(std::integral_constant<int, 4>{})
+                  : left >= 2 ? rows_of(std::integral_constant<int, 2>{})
+                              : rows_of(std::integral_constant<int, 1>{});
+    for (int64_t r = 0; r < R; ++r) {  // (a head dim that is not whole vectors)
+      for (int64_t e = vectors; e < dim; ++e) {
+        float sum = out[(i0 + r) * ldo + e];
+        for (int64_t j = 0; j < cols; ++j) {
+          sum += p[j * ls + i0 + r] * (code_value(S, codes[j * code_stride + e]) / code_unit<S>());
+        }
+        out[(i0 + r) * ldo + e] = sum;
+      }
+    }
+    i0 += R;
+  }
+}
+
+#else
+constexpr bool kCodesInRegisters = false;
+#endif
+
+// The number of bursts code_scores issues over cols keys of rows rows (one
+// per kCodeKeysPerBurst keys of each group of rows).
+constexpr int64_t code_score_steps(int64_t cols, int64_t rows) {
+  const int64_t R = rows == 1 ? 1 : rows == 2 ? 2 : 4;
+  return (rows + R - 1) / R * ((cols + kCodeKeysPerBurst - 1) / kCodeKeysPerBurst);
+}
+
+// Calls f with S as a compile-time constant (std::integral_constant).
+template <typename F>
+void with_storage(KVStorage s, const F& f) {
+  switch (s) {
+    case KVStorage::Int8: return f(std::integral_constant<KVStorage, KVStorage::Int8>{});
+    case KVStorage::Float8E4M3: return f(std::integral_constant<KVStorage, KVStorage::Float8E4M3>{});
+    case KVStorage::Float8E5M2: return f(std::integral_constant<KVStorage, KVStorage::Float8E5M2>{});
+    case KVStorage::Dense: return;
+  }
+}
+
+}  // namespace
+}  // namespace CPU_CAPABILITY
+}  // namespace fusedmha::cpu
