@@ -380,3 +380,23 @@ def test_cuda_refuses_quantized_caches_clearly():
     with pytest.raises(RuntimeError, match="read by the CPU kernels only"):
         fusedmha.flash_attn_with_kvcache(torch.randn(2, 1, H, E, device="cuda"), k_cache, v_cache,
                                          cache_seqlens=3, k_scale=k_scale, v_scale=v_scale)
+
+
+@pytest.mark.parametrize("codes", CODES)
+@pytest.mark.parametrize("group", [1, 2, 3, 5, 8, 12])
+@pytest.mark.parametrize("dim", [40, 72, 128])
+def test_every_group_size_and_head_dim(codes, group, dim):
+    """Decoding reads the codes in registers for a GQA group's rows (1, 2, or 4 at a time,
+    padded; value rows 8, 4, 2 or 1 at a time) over head dims of whole vector pairs, a single
+    vector and a tail: each group size and head dim as the float64 truth."""
+    B, S, H_kv = 2, 150, 2
+    k_cache, k_scale = quantized(torch.randn(B, S, H_kv, dim), codes)
+    v_cache, v_scale = quantized(torch.randn(B, S, H_kv, dim), codes)
+    q = torch.randn(B, 1, group * H_kv, dim)
+    out = fusedmha.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=S - 3,
+                                           k_scale=k_scale, v_scale=v_scale)
+    keys = fusedmha.dequantize_kv(k_cache, k_scale, torch.float64)
+    values = fusedmha.dequantize_kv(v_cache, v_scale, torch.float64)
+    for b in range(B):
+        want, _ = attention_over(q[b], keys[b, :S - 3], values[b, :S - 3], {})
+        assert (out[b].double() - want).abs().max().item() < 3e-6, b
