@@ -15,6 +15,8 @@ Packed batches (padding-free training with DataCollatorWithFlattening: the ``cu_
 kwargs, or ``position_ids`` that restart within a row) run fusedmha's varlen kernels, which
 attend within each sequence and spend no work across them.
 An argument that would change the result and that fusedmha cannot honour raises an error.
+Generation can keep its cache quantized: ``cache=QuantizedKVCache(dtype=torch.int8)``
+(fusedmha.integrations.transformers_cache), whose codes this attention reads in place.
 """
 
 from typing import Optional, Tuple
@@ -24,6 +26,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, prepare_padding_mask, sdpa_mask
 
 import fusedmha
+from fusedmha.integrations.transformers_cache import QuantizedKVCache, QuantizedRows, attend_quantized
 
 NAME = "fusedmha"
 
@@ -87,6 +90,11 @@ def fusedmha_attention_forward(
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     variants = dict(softcap=float(softcap or 0.0), sinks=_per_head_sinks(s_aux, kwargs, query))
+    if isinstance(key, QuantizedRows):
+        if kwargs.get("position_bias") is not None:
+            raise ValueError("fusedmha QuantizedKVCache does not take position_bias")
+        return attend_quantized(query, key, attention_mask, dropout, scaling, bool(is_causal),
+                                sliding_window, **variants), None
     position_bias = kwargs.get("position_bias")
     if position_bias is not None:
         # An additive score bias (T5-style relative positions): it joins the mask as a float
@@ -214,6 +222,9 @@ def _varlen_forward(query, key, value, cu, dropout, scaling, causal, sliding_win
         softmax_scale=scaling, causal=causal, window_size=window, softcap=variants["softcap"],
         sinks=variants["sinks"])
     return out.view(B, L, H, value.shape[3])
+
+
+__all__ = ["QuantizedKVCache", "fusedmha_attention_forward", "fusedmha_mask", "register"]
 
 
 def register() -> None:
