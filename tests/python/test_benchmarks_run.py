@@ -73,6 +73,15 @@ def test_quantized_kvcache_benchmark_smoke_run():
     assert "int8" in res.stdout and "e4m3" in res.stdout and "e5m2" in res.stdout, res.stdout
 
 
+def test_quantized_generate_benchmark_smoke_run():
+    pytest.importorskip("transformers", reason="pip install .[transformers]")
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_generate_quantized_cpu.py"),
+                          "--quick"], capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    assert res.returncode == 0, res.stderr
+    for column in ("decode tok/s", "logits error", "tokens agree", "int8", "e5m2"):
+        assert column in res.stdout, res.stdout
+
+
 def test_peak_probe_is_a_plausible_number():
     """cpu_fma_peak_gflops measures something: more than a scalar loop could, and finite."""
     import fusedmha
