@@ -53,7 +53,10 @@ def _stand_in(codes: torch.Tensor, layer: "QuantizedKVLayer") -> QuantizedRows:
 
 class QuantizedKVLayer(CacheLayerMixin):
     """One layer's quantized cache: codes (B, capacity, H_kv, E) of `dtype`, scales (B,
-    capacity, H_kv) float32, the first `length` rows in use."""
+    capacity, H_kv) float32, the first `length` rows in use. The rows of the last update wait
+    in `pending` for the attention, whose call appends them (quantized in place by the op,
+    one call for the append and the attention); anything else that needs them writes them
+    first (flush)."""
 
     is_sliding = False
     is_croppable = True
@@ -62,7 +65,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         super().__init__()
         if dtype not in DTYPES:
             raise ValueError(f"QuantizedKVCache: dtype must be one of {DTYPES}, got {dtype}")
-        self.dtype, self.length = dtype, 0
+        self.dtype, self.length, self.pending = dtype, 0, None
         self.k_codes = self.v_codes = self.k_scale = self.v_scale = None
 
     def lazy_initialization(self, key_states, value_states):
@@ -82,21 +85,29 @@ class QuantizedKVLayer(CacheLayerMixin):
                 new[:, :self.length] = kept[:, :self.length]
 
     def update(self, key_states, value_states, *args, **kwargs) -> Tuple[QuantizedRows, QuantizedRows]:
-        """Quantizes the new rows (B, H_kv, L, E) into the layer; returns the stand-ins."""
+        """Takes the new rows (B, H_kv, L, E), to be appended by the attention's call;
+        returns the stand-ins."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self.flush()
         B, H_kv, L, E = key_states.shape
         end = self.length + L
         if end > self.k_codes.shape[1]:
             self._allocate(B, max(end, 2 * self.k_codes.shape[1], 256), H_kv, E, value_states.shape[3])
-        for codes, scale, rows in ((self.k_codes, self.k_scale, key_states),
-                                   (self.v_codes, self.v_scale, value_states)):
-            c, s = fusedmha.quantize_kv(rows.transpose(1, 2), self.dtype)
-            codes[:, self.length:end], scale[:, self.length:end] = c, s
+        self.pending = (key_states.transpose(1, 2), value_states.transpose(1, 2), self.length)
         self.length = end
         self.keys, self.values = (_stand_in(t[:, :end].transpose(1, 2), self)
                                   for t in (self.k_codes, self.v_codes))
         return self.keys, self.values
+
+    def flush(self) -> None:
+        """Writes the pending rows (quantize_kv's rule, as the op's append)."""
+        if self.pending is None:
+            return
+        (k, v, start), self.pending = self.pending, None
+        end = start + k.shape[1]
+        for codes, scale, rows in ((self.k_codes, self.k_scale, k), (self.v_codes, self.v_scale, v)):
+            codes[:, start:end], scale[:, start:end] = fusedmha.quantize_kv(rows, self.dtype)
 
     def get_mask_sizes(self, query_length: int) -> Tuple[int, int]:
         return self.length + query_length, 0
@@ -108,14 +119,16 @@ class QuantizedKVLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.length = 0
+        self.length, self.pending = 0, None
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
             raise ValueError("QuantizedKVCache.crop takes a negative count of tokens to remove")
+        self.flush()
         self.length = max(self.length + tokens_to_remove, 0)
 
     def _select(self, index) -> None:
+        self.flush()
         if self.is_initialized:
             for name in ("k_codes", "v_codes", "k_scale", "v_scale"):
                 setattr(self, name, getattr(self, name)[index].contiguous())
@@ -157,9 +170,15 @@ def attend_quantized(query: torch.Tensor, key: QuantizedRows, attention_mask: Op
     n = layer.length
     leftpad = None if attention_mask is None else _left_padding(attention_mask, B, L, n, is_causal)
     window = (sliding_window - 1, 0) if sliding_window is not None and is_causal else (-1, -1)
+    # The pending rows appended by this call (quantized in place by the op), unless the left
+    # padding reaches past the rows before them (a padded prefill): the op's append wants the
+    # padding within the cache's old rows, so those are written first.
+    if layer.pending is not None and leftpad is not None and int(leftpad.max()) > layer.pending[2]:
+        layer.flush()
+    (k, v, start), layer.pending = layer.pending or (None, None, n), None
     with torch.no_grad():
         return fusedmha.flash_attn_with_kvcache(
-            query.transpose(1, 2), layer.k_codes, layer.v_codes, cache_seqlens=n,
+            query.transpose(1, 2), layer.k_codes, layer.v_codes, k, v, cache_seqlens=start,
             cache_leftpad=leftpad, softmax_scale=scaling, causal=is_causal or attention_mask is not None,
             window_size=window, softcap=softcap, sinks=sinks, k_scale=layer.k_scale,
             v_scale=layer.v_scale)
