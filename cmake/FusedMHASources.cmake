@@ -6,6 +6,7 @@ set(FUSEDMHA_SOURCES
   csrc/ops/merge_attention.cpp
   csrc/ops/kvcache_attention.cpp
   csrc/ops/kv_quantization.cpp
+  csrc/ops/tensor_overlap.cpp
   csrc/ops/attention_checks.cpp
   csrc/ops/attention_shapes.cpp
   csrc/ops/attention_params_filler.cpp

@@ -8,13 +8,15 @@
 // cost a store and a load per element beside the 4 FMAs that a GQA group's
 // query heads spend on it; here a converted vector feeds the FMAs of up to
 // 8 rows directly, and each row's scale multiplies a score (K) or a
-// probability (V), not every element (docs/performance.md, "Quantized KV
-// caches").
+// probability (V), not every element (docs/performance.md, "Codes converted
+// in registers").
 //
 // Scores are dot products: row-major query rows (scaled) against key rows,
 // summed across lanes once per key, so the FMAs are rows · keys · dim (no
-// lanes wasted on a GQA group of 4 in 8 or 16 lanes). Float acc_t, AVX2
-// and AVX-512; other levels and acc_t take the float tiles.
+// lanes wasted on a GQA group of 4 in 8 or 16 lanes). They are not the
+// score GEMM's to the bit, which the backward and the weights pass would
+// need (ScoreTiles::few_row_scores): quantized K/V are forward only. Float
+// acc_t, AVX2 and AVX-512; other levels and acc_t take the float tiles.
 //
 // Included only by the per-ISA kernel units (compiled once per level with
 // -DCPU_CAPABILITY=<LEVEL>, see cpu/isa_kernels.h): everything here lives in
@@ -233,8 +235,9 @@ void code_values(float* p, int64_t ls, int64_t rows, const uint8_t* codes, int64
       constexpr int R = decltype(rows_per_step)::value;
       constexpr int64_t span = (8 / R) * kCodeLanes;
       const int64_t runs = dim / span * span;
-      code_value_rows<S, R, 8 / R>(p + i0, ls, codes, code_stride, cols, 0, runs, out + i0 * ldo, ldo);
-      code_value_rows<S, R, 1>(p + i0, ls, codes, code_stride, cols, runs, vectors, out + i0 * ldo, ldo);
+      float* rows_out = out + i0 * ldo;
+      code_value_rows<S, R, 8 / R>(p + i0, ls, codes, code_stride, cols, 0, runs, rows_out, ldo);
+      code_value_rows<S, R, 1>(p + i0, ls, codes, code_stride, cols, runs, vectors, rows_out, ldo);
       return R;
     };
     const int R = left >= 8   ? rows_of(std::integral_constant<int, 8>{})
@@ -268,10 +271,13 @@ constexpr int64_t code_score_steps(int64_t cols, int64_t rows) {
 // Calls f with S as a compile-time constant (std::integral_constant).
 template <typename F>
 void with_storage(KVStorage s, const F& f) {
+  using Int8 = std::integral_constant<KVStorage, KVStorage::Int8>;
+  using E4M3 = std::integral_constant<KVStorage, KVStorage::Float8E4M3>;
+  using E5M2 = std::integral_constant<KVStorage, KVStorage::Float8E5M2>;
   switch (s) {
-    case KVStorage::Int8: return f(std::integral_constant<KVStorage, KVStorage::Int8>{});
-    case KVStorage::Float8E4M3: return f(std::integral_constant<KVStorage, KVStorage::Float8E4M3>{});
-    case KVStorage::Float8E5M2: return f(std::integral_constant<KVStorage, KVStorage::Float8E5M2>{});
+    case KVStorage::Int8: return f(Int8{});
+    case KVStorage::Float8E4M3: return f(E4M3{});
+    case KVStorage::Float8E5M2: return f(E5M2{});
     case KVStorage::Dense: return;
   }
 }

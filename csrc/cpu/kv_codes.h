@@ -50,7 +50,8 @@ CodeLanes load_signed_codes(const uint8_t* c) {
   return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
 }
 FloatLanes int8_codes(const uint8_t* c) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c))));
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
 }
 FloatLanes fp16_lanes(CodeLanes h) { return _mm512_cvtph_ps(h); }
 CodeLanes lanes_of(int16_t x) { return _mm256_set1_epi16(x); }
@@ -73,7 +74,8 @@ CodeLanes load_signed_codes(const uint8_t* c) {
   return _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c)));
 }
 FloatLanes int8_codes(const uint8_t* c) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c))));
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
 }
 FloatLanes fp16_lanes(CodeLanes h) { return _mm256_cvtph_ps(h); }
 CodeLanes lanes_of(int16_t x) { return _mm_set1_epi16(x); }

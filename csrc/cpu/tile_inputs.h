@@ -115,8 +115,8 @@ class TileInputs {
       const int64_t scale_stride = scale_matrix(side).row_stride;
       for (int64_t j = 0; j < cols; ++j) {
         acc_t* d = dst + j * *ld;
-        dequantize(p_.kv_storage, codes + j * row_stride, static_cast<acc_t>(scale[j * scale_stride]),
-                   d, dim);
+        const acc_t row_scale = static_cast<acc_t>(scale[j * scale_stride]);
+        dequantize(p_.kv_storage, codes + j * row_stride, row_scale, d, dim);
         std::fill(d + dim, d + *ld, acc_t(0));
       }
       return dst;

@@ -22,12 +22,12 @@
 #include "ops/attention_checks.h"
 #include "ops/kv_quantization.h"
 #include "ops/op_args.h"
+#include "ops/tensor_overlap.h"
 #include "ops/quick_views.h"
 
 #include <fusedmha/attention.h>
 
 #include <ATen/ATen.h>
-#include <ATen/MemoryOverlap.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/accumulate.h>
@@ -35,7 +35,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <functional>
 #include <numeric>
 #include <optional>
 #include <vector>
@@ -158,81 +157,6 @@ struct CacheSequences {
   }
 };
 
-// The dims of two views with the same strides, as the ranges of index
-// differences j (a's index minus b's) along each, sorted by stride; empty
-// when a stride is not positive or the dims do not nest (each stride past
-// the most the smaller dims can reach): the layouts the checks below decide.
-struct IndexRange { int64_t stride, lo, hi; };
-std::optional<std::vector<IndexRange>> nested_dims(const at::Tensor& a, const at::Tensor& b) {
-  std::vector<IndexRange> dims;
-  for (int64_t d = 0; d < a.dim(); ++d) {
-    if (a.size(d) <= 1 && b.size(d) <= 1) continue;
-    if (a.stride(d) <= 0) return std::nullopt;
-    dims.push_back({a.stride(d), 1 - b.size(d), a.size(d) - 1});
-  }
-  std::sort(dims.begin(), dims.end(),
-            [](const IndexRange& x, const IndexRange& y) { return x.stride < y.stride; });
-  int64_t reach = 0;
-  for (const IndexRange& d : dims) {
-    if (d.stride <= reach) return std::nullopt;
-    reach += std::max(-d.lo, d.hi) * d.stride;
-  }
-  return dims;
-}
-
-// Whether a tensor may hold one element twice (an expand()ed or as_strided
-// view): decided by nesting where at::has_internal_overlap gives up.
-bool may_overlap_itself(const at::Tensor& t) {
-  switch (at::has_internal_overlap(t)) {
-    case at::MemOverlap::No: return false;
-    case at::MemOverlap::Yes: return true;
-    case at::MemOverlap::TooHard: return !nested_dims(t, t).has_value();
-  }
-  return true;
-}
-
-// Whether two tensors may hold a common element, decided exactly where
-// at::get_overlap_status gives up (TooHard: a non-contiguous view, such as
-// k_cache = buf[:, :-1] and v_cache = buf[:, 1:], or K and V interleaved in
-// one (B, S, 2, H, E) buffer). Views of one storage with the same nested
-// strides share an element iff their offsets differ by sum_k j_k * stride_k
-// with each j_k in its range; nesting leaves at most two candidates for each
-// j_k, tried from the largest stride down. Any other layout whose memory
-// ranges meet counts as sharing (the caller asks for a contiguous cache).
-bool may_share_memory(const at::Tensor& a, const at::Tensor& b) {
-  if (a.numel() == 0 || b.numel() == 0) return false;
-  switch (at::get_overlap_status(a, b)) {
-    case at::MemOverlapStatus::Full:
-    case at::MemOverlapStatus::Partial: return true;
-    case at::MemOverlapStatus::No: return false;
-    case at::MemOverlapStatus::TooHard: break;
-  }
-  if (!a.is_alias_of(b)) return false;
-  auto bytes = [](const at::Tensor& t) {  // the byte range [lo, hi] t covers
-    int64_t lo = t.storage_offset(), hi = lo;
-    for (int64_t d = 0; d < t.dim(); ++d) {
-      (t.stride(d) < 0 ? lo : hi) += (t.size(d) - 1) * t.stride(d);
-    }
-    return std::make_pair(lo * t.element_size(), (hi + 1) * t.element_size() - 1);
-  };
-  const auto [a_lo, a_hi] = bytes(a);
-  const auto [b_lo, b_hi] = bytes(b);
-  if (a_hi < b_lo || b_hi < a_lo) return false;
-  if (a.element_size() != b.element_size() || a.strides() != b.strides()) return true;
-  const auto dims = nested_dims(a, b);
-  if (!dims.has_value()) return true;
-  std::function<bool(size_t, int64_t)> reachable = [&](size_t k, int64_t rest) {
-    if (k == 0) return rest == 0;
-    const IndexRange& d = (*dims)[k - 1];
-    const int64_t j = rest / d.stride;  // (truncated: the other candidate is one further out)
-    for (int64_t c : {j, rest < 0 ? j - 1 : j + 1}) {
-      if (c >= d.lo && c <= d.hi && reachable(k - 1, rest - c * d.stride)) return true;
-    }
-    return false;
-  };
-  return reachable(dims->size(), b.storage_offset() - a.storage_offset());
-}
-
 // The append on the CPU as row copies, where each cache row (H_kv, E), or
 // each scale row (H_kv) of a quantized cache, is contiguous (the usual
 // caches): the general path, index_put_ with index tensors, is a dozen ATen
@@ -334,7 +258,8 @@ void check_arguments(const ops::KVCacheArgs& a) {
   if (k_scale.has_value() || v_scale.has_value()) {
     check_quantized_caches(a);
   } else {
-    TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+    TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() &&
+                    v_cache.scalar_type() == q.scalar_type(),
                 kOp, ": expected k_cache and v_cache of q's dtype (", q.scalar_type(), "), got ",
                 k_cache.scalar_type(), " and ", v_cache.scalar_type(),
                 ops::kv_storage_of(k_cache.scalar_type()) != KVStorage::Dense
@@ -378,10 +303,10 @@ void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache, const Op
                 ": expected floating-point k and v, got ", k->scalar_type(), " and ",
                 v->scalar_type());
   }
-  TORCH_CHECK(!may_overlap_itself(k_cache) && !may_overlap_itself(v_cache),
+  TORCH_CHECK(!ops::may_overlap_itself(k_cache) && !ops::may_overlap_itself(v_cache),
               kOp, ": k_cache and v_cache are written in place and must not have elements that "
               "share memory (an expand()ed view, for one); pass a contiguous cache");
-  const auto shares = may_share_memory;
+  const auto shares = ops::may_share_memory;
   TORCH_CHECK(!shares(k_cache, v_cache), kOp,
               ": k_cache and v_cache are written in place and must not share memory");
   for (const OptTensor* t : {&k, &v}) {
@@ -392,7 +317,7 @@ void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache, const Op
   if (!k_scale.has_value()) return;
   // A quantized cache's scales are written in place too.
   const at::Tensor &ks = *k_scale, &vs = *v_scale;
-  TORCH_CHECK(!may_overlap_itself(ks) && !may_overlap_itself(vs) && !shares(ks, vs), kOp,
+  TORCH_CHECK(!ops::may_overlap_itself(ks) && !ops::may_overlap_itself(vs) && !shares(ks, vs), kOp,
               ": k_scale and v_scale are written in place and must not share memory (with each "
               "other or within themselves)");
   for (const OptTensor* t : {&k, &v}) {
@@ -409,7 +334,8 @@ void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache, const Op
 // keys per sequence, from its left padding.
 std::tuple<at::Tensor, at::Tensor> attend(
     const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-    const OptTensor& k_scale, const OptTensor& v_scale, const CacheSequences& seq, int64_t added, bool paged,
+    const OptTensor& k_scale, const OptTensor& v_scale, const CacheSequences& seq, int64_t added,
+    bool paged,
     bool chosen_caches, bool has_leftpad, const OptTensor& block_table, int64_t page,
     int64_t rows_per_sequence, std::optional<double> scale, bool is_causal,
     const AttentionVariants& variants) {
@@ -643,7 +569,9 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_kernel(const ops::KVCa
   std::vector<std::pair<at::Tensor, at::Tensor>> written;
   if (k.has_value()) {
     written = {{k_cache, *k_codes}, {v_cache, *v_codes}};
-    if (quantized) written.insert(written.end(), {{*k_scale, *k_row_scales}, {*v_scale, *v_row_scales}});
+    if (quantized) {
+      written.insert(written.end(), {{*k_scale, *k_row_scales}, {*v_scale, *v_row_scales}});
+    }
   }
   // The append, undone if the attention refuses the call: a bad call leaves
   // the caches as they were. (The rows it overwrites are kept: B x L_new.)
@@ -651,7 +579,8 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache_kernel(const ops::KVCa
   std::vector<at::Tensor> old_rows;
   std::vector<RowAppend> row_appends;
   if (k.has_value() && device.is_cpu() &&
-      std::all_of(written.begin(), written.end(), [](const auto& t) { return RowAppend::applies(t.first); })) {
+      std::all_of(written.begin(), written.end(),
+                  [](const auto& t) { return RowAppend::applies(t.first); })) {
     std::vector<std::pair<int64_t, int64_t>> places;  // (cache or page, row) of each new row
     const at::Tensor table = paged ? block_table->contiguous() : at::Tensor();
     for (int64_t b = 0; b < B; ++b) {
