@@ -408,11 +408,9 @@ FUSEDMHA_HOST_DEVICE BackwardParams sequence_of(const BackwardParams& bp, int64_
 }
 
 // What only the CPU kernels read: key spans (found by the CPU host's mask
-// scan, ops/mask_structure.h), quantized K/V and dQ split into several copies. The CUDA
+// scan, ops/mask_structure.h) and dQ split into several copies. The CUDA
 // launchers refuse params that set them (csrc/cuda/attention_cuda.cpp).
-inline bool uses_cpu_only_fields(const AttentionParams& p) {
-  return p.key_spans != nullptr || p.kv_storage != KVStorage::Dense;
-}
+inline bool uses_cpu_only_fields(const AttentionParams& p) { return p.key_spans != nullptr; }
 inline bool uses_cpu_only_fields(const BackwardParams& bp) {
   return uses_cpu_only_fields(bp.fwd) || bp.grad_q_splits != 1;
 }

@@ -4,8 +4,10 @@
 // codes times their row's scale, a vector at a time (attention_with_kvcache's
 // quantized caches; ops/kv_quantization.h has the rule that wrote them).
 //
-// Each conversion is exact: an int8 code is an integer, an e5m2 code is the
-// high byte of an fp16, and an e4m3 code moves into an fp16 as its sign,
+// (One code's value, for the vector loops' tails and acc_t double:
+// common/kv_codes.h.) Each conversion is exact: an int8 code is an integer,
+// an e5m2 code is the high byte of an fp16, and an e4m3 code moves into an
+// fp16 as its sign,
 // exponent and mantissa bits (e4m3's 2^-6 subnormal scale is fp16's 2^-14
 // times 2^8): so a value is code · scale rounded once in acc_t, as
 // dequantize_kv's float32 product, and F16C converts both fp8 kinds.
@@ -14,45 +16,14 @@
 // -DCPU_CAPABILITY=<LEVEL>, see cpu/isa_kernels.h): everything here lives in
 // an anonymous namespace inside fusedmha::cpu::<LEVEL>.
 
-#include "common/attention_types.h"
+#include "common/kv_codes.h"
 #include "cpu/simd.h"
 
-#include <bit>
 #include <cstdint>
-#include <limits>
 
 namespace fusedmha::cpu {
 namespace CPU_CAPABILITY {
 namespace {
-
-// The value of one code (the vector loops' tails, and acc_t double). Written
-// out rather than through c10's fp8 types: their conversions are inline
-// functions that an ISA level's object would define, and the linker could
-// keep that copy for the baseline code (cmake/CheckNoSharedSymbols.cmake).
-inline float code_value(KVStorage s, uint8_t c) {
-  const uint32_t sign = uint32_t(c & 0x80) << 24;
-  auto with_sign = [&](float x) { return std::bit_cast<float>(std::bit_cast<uint32_t>(x) | sign); };
-  switch (s) {
-    case KVStorage::Int8: return static_cast<float>(static_cast<int8_t>(c));
-    case KVStorage::Float8E4M3: {  // (bias 7, no infinities, 0x7F in magnitude is NaN)
-      const uint32_t magnitude = c & 0x7F;
-      if (magnitude == 0x7F) return std::numeric_limits<float>::quiet_NaN();
-      if (magnitude < 8) return with_sign(static_cast<float>(magnitude) * 0x1p-9f);
-      return std::bit_cast<float>(sign | ((magnitude << 20) + (120u << 23)));
-    }
-    case KVStorage::Float8E5M2: {  // (bias 15: an fp16's high byte)
-      const uint32_t exponent = (c >> 2) & 0x1F, mantissa = c & 3;
-      if (exponent == 0x1F) {
-        return mantissa ? std::numeric_limits<float>::quiet_NaN()
-                        : with_sign(std::numeric_limits<float>::infinity());
-      }
-      if (exponent == 0) return with_sign(static_cast<float>(mantissa) * 0x1p-16f);
-      return std::bit_cast<float>(sign | ((exponent + 112) << 23) | (mantissa << 21));
-    }
-    case KVStorage::Dense: break;
-  }
-  return 0.0f;
-}
 
 #if defined(CPU_CAPABILITY_AVX512)
 using CodeLanes = __m256i;  // 16 codes, one per 16-bit lane

@@ -138,6 +138,8 @@ void check_for_cuda(const Params& params, const char* what) {
 
 void launch_forward(const at::Tensor& query, const AttentionParams& p, bool tensor_cores) {
   check_for_cuda(p, "forward");
+  TORCH_INTERNAL_ASSERT(!tensor_cores || p.kv_storage == KVStorage::Dense,
+                        "fusedmha (CUDA forward): quantized K/V take the simple kernels");
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   if (tensor_cores) {
     check_launch(flash_forward(p, stream), "forward (tensor cores)");
@@ -224,15 +226,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_forward_cuda(
     const ops::VarlenForwardArgs& a) {
   ops::check_varlen_forward_inputs(ops::kVarlenForwardOp, a);
-  TORCH_CHECK(!a.k_scale.has_value(), ops::kVarlenForwardOp,
-              ": quantized key and value (k_scale, v_scale) are read by the CPU kernels only; "
-              "on CUDA, pass a cache in the query's dtype");
   const c10::cuda::CUDAGuard guard(a.query.device());
   auto [out, lse, rng_state] = ops::allocate_varlen_outputs(a.query, a.value);
   // (Paged caches take the simple kernels, which find every key row through
-  // the block table; the tensor-core tiles load rows from one base.)
-  const bool tensor_cores =
-      use_tensor_cores(a.query, a.value, /*backward=*/false) && !a.block_table.has_value();
+  // the block table; the tensor-core tiles load rows from one base. So do
+  // quantized K/V, whose codes the simple kernels read.)
+  const bool tensor_cores = use_tensor_cores(a.query, a.value, /*backward=*/false) &&
+                            !a.block_table.has_value() && !a.k_scale.has_value();
   ops::AttentionCall call(ops::kVarlenForwardOp, a, ops::packed_batch(a), row_layout(tensor_cores));
   AttentionParams p = call.forward(out, lse);
   check_launch_size(p);

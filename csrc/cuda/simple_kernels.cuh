@@ -13,6 +13,7 @@
 // head dims of each dot product (then sum with shuffles), and each lane owns
 // the same head dims of the row's accumulators, kept in shared memory.
 
+#include "common/kv_codes.h"
 #include "cuda/device_utils.cuh"
 
 namespace fusedmha::cuda::simple {
@@ -105,9 +106,15 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) forward_kernel(const Atte
     const int64_t j = j0 + lane;
     A x = -INFINITY;
     if (j < kv_end) {
-      const T* k_row = k + k_row_offset(p, o, j);
       A s = 0;
-      for (int e = 0; e < dk; ++e) s += q_s[e] * to_acc<A>(k_row[e]);
+      if (p.kv_storage == KVStorage::Dense) {
+        const T* k_row = k + k_row_offset(p, o, j);
+        for (int e = 0; e < dk; ++e) s += q_s[e] * to_acc<A>(k_row[e]);
+      } else {  // (quantized: codes · the row's scale)
+        const uint8_t* codes = static_cast<const uint8_t*>(p.k.data) + k_row_offset(p, o, j);
+        for (int e = 0; e < dk; ++e) s += q_s[e] * A(code_value(p.kv_storage, codes[e]));
+        s *= A(*k_scale_at(p, o, j));
+      }
       x = transformed_score(p, s, slope, i, j);
       if (p.mask_kind != MaskKind::None) x += mask_term<A>(p, mask_base, i, j);
     }
@@ -123,6 +130,12 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) forward_kernel(const Atte
     for (int t = 0; t < n; ++t) {
       const A pt = __shfl_sync(0xffffffffu, pr, t);
       if (pt == A(0)) continue;  // (warp-uniform)
+      if (p.kv_storage != KVStorage::Dense) {  // (quantized: the row's scale on its probability)
+        const uint8_t* codes = static_cast<const uint8_t*>(p.v.data) + v_row_offset(p, o, j0 + t);
+        const A ps = pt * A(*v_scale_at(p, o, j0 + t));
+        for (int e = lane; e < dv; e += 32) o_s[e] += ps * A(code_value(p.kv_storage, codes[e]));
+        continue;
+      }
       const T* v_row = v + v_row_offset(p, o, j0 + t);
       for (int e = lane; e < dv; e += 32) o_s[e] += pt * to_acc<A>(v_row[e]);
     }

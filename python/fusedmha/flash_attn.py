@@ -299,7 +299,7 @@ def flash_attn_with_kvcache(
     caches are quantized: ``k_cache``/``v_cache`` hold int8, ``float8_e4m3fn`` or
     ``float8_e5m2`` codes and a cached value is ``code * scale`` (one scale per row and head).
     New rows are quantized as they are appended (:func:`fusedmha.quantize_kv`'s rule, into the
-    caches and the scales in place), and the kernels read the codes directly (CPU only).
+    caches and the scales in place), and the kernels read the codes directly.
 
     ``num_splits`` is accepted for compatibility (the CPU kernels split the keys themselves).
     Returns the output ``(B, L, H, E)``, and with ``return_softmax_lse`` also the log-sum-exp

@@ -23,6 +23,7 @@
 #include <cmath>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace fusedmha::cuda {
@@ -499,7 +500,39 @@ struct Packed {
   std::vector<int> lens_q, lens_k;
   int H = 4, Hkv = 2, E = 64;
   bool causal = true;
+  KVStorage storage = KVStorage::Dense;  // quantized K/V: codes and a scale per row and head
 };
+
+// Rows (rows, heads, E) as 8-bit codes of `storage` and a float scale per
+// row and head (scale = max|row| / the largest code, as quantize_kv); the
+// rows are replaced by the values the codes hold, code · scale.
+template <typename T>
+std::pair<std::vector<uint8_t>, std::vector<float>> quantized_rows(std::vector<T>& rows, int E,
+                                                                   KVStorage storage) {
+  const double qmax = storage == KVStorage::Int8 ? 127 : storage == KVStorage::Float8E4M3 ? 448 : 57344;
+  std::vector<uint8_t> codes(rows.size());
+  std::vector<float> scales(rows.size() / E);
+  for (size_t r = 0; r < scales.size(); ++r) {
+    double top = 0;
+    for (int e = 0; e < E; ++e) top = std::max(top, std::abs(to_double(rows[r * E + e])));
+    scales[r] = float(top / qmax);
+    for (int e = 0; e < E; ++e) {
+      const double x = scales[r] > 0 ? to_double(rows[r * E + e]) / scales[r] : 0.0;
+      uint8_t c = 0;
+      if (storage == KVStorage::Int8) {
+        c = uint8_t(int8_t(std::nearbyint(std::clamp(x, -qmax, qmax))));
+      } else {  // (the nearest fp8 value: the reference reads whichever code it is)
+        for (int n = 1; n < 256; ++n) {
+          const double value = code_value(storage, uint8_t(n));
+          if (std::abs(value - x) < std::abs(code_value(storage, c) - x)) c = uint8_t(n);
+        }
+      }
+      codes[r * E + e] = c;
+      rows[r * E + e] = from_double<T>(double(code_value(storage, c) * scales[r]));
+    }
+  }
+  return {codes, scales};
+}
 
 template <typename T>
 void run_packed(const Packed& pk, Kernels kernels, int page) {
@@ -549,6 +582,25 @@ void run_packed(const Packed& pk, Kernels kernels, int page) {
   p.seq.cu_k = cu_k.data();
   p.seq.heads = H;
   p.scale = 1.0 / std::sqrt(double(E));
+  // Quantized K/V: the kernel reads the codes, the reference their values.
+  std::pair<std::vector<uint8_t>, std::vector<float>> k_codes, v_codes;
+  if (pk.storage != KVStorage::Dense) {
+    k_codes = quantized_rows(k, E, pk.storage);
+    v_codes = quantized_rows(v, E, pk.storage);
+    p.kv_storage = pk.storage;
+    auto scale_matrix = [&](float* data) {  // (rows, Hkv) one-column matrices
+      Matrix m;
+      m.data = data;
+      m.outer_stride[1] = 1;
+      m.divisor[1] = H / Hkv;
+      m.row_stride = Hkv;
+      return m;
+    };
+    p.k.data = k_codes.first.data();
+    p.v.data = v_codes.first.data();
+    p.k_scale = scale_matrix(k_codes.second.data());
+    p.v_scale = scale_matrix(v_codes.second.data());
+  }
   p.bottom_right = true;
   p.window_right = pk.causal ? 0 : -1;
   // A paged copy of K/V: each sequence's keys in pages of `page` rows, the
@@ -596,10 +648,11 @@ void run_packed(const Packed& pk, Kernels kernels, int page) {
                       [&] { simple::forward_kernel<T, A>(p); });
   }
 
-  // The backward (not for pages: a paged cache is forward only).
+  // The backward (not for pages or codes: a paged cache and quantized K/V are forward only).
   std::vector<A> delta(size_t(H) * total_q), grad_q(size_t(total_q) * H * E, A(0)),
       grad_k(size_t(total_k) * H * E, A(0)), grad_v(size_t(total_k) * H * E, A(0));
-  if (!page) {
+  const bool forward_only = page || pk.storage != KVStorage::Dense;
+  if (!forward_only) {
     for (int r = 0; r < total_q; ++r)
       for (int h = 0; h < H; ++h) {
         double d = 0;
@@ -670,7 +723,7 @@ void run_packed(const Packed& pk, Kernels kernels, int page) {
         if (std::isinf(want)) EXPECT_TRUE(std::isinf(got) && got > 0);
         else EXPECT_NEAR(got, want, 1e-4 * std::max(1.0, std::abs(want)));
       }
-    if (page) continue;
+    if (forward_only) continue;
     EXPECT_LE(max_error(ref.dq, [&](size_t n) {
                 const int h = int(n / (size_t(L) * E)), i = int(n / E % L), e = int(n % E);
                 return double(grad_q[(size_t(cu_q[b] + i) * H + h) * E + e]);
@@ -696,6 +749,18 @@ TEST(CudaEmulated, PackedSequences) {
   pk.causal = false;
   run_packed<float>(pk, Kernels::Simple, 0);
   run_packed<__half>(pk, Kernels::TensorCores, 0);
+}
+
+TEST(CudaEmulated, QuantizedKV) {
+  // The simple kernels read int8 and fp8 codes, each key row's scale on its
+  // score and each value row's on its probability.
+  Packed pk;
+  pk.lens_q = {1, 4, 1};
+  pk.lens_k = {50, 17, 130};
+  for (const KVStorage s : {KVStorage::Int8, KVStorage::Float8E4M3, KVStorage::Float8E5M2}) {
+    pk.storage = s;
+    run_packed<float>(pk, Kernels::Simple, 0);
+  }
 }
 
 TEST(CudaEmulated, PagedCache) {

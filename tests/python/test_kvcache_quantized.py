@@ -372,14 +372,23 @@ def test_opcheck_and_compile():
         assert torch.equal(a.float(), b.float())
 
 
-def test_cuda_refuses_quantized_caches_clearly():
+@pytest.mark.parametrize("codes", CODES)
+def test_cuda_reads_quantized_caches_as_the_cpu(codes):
+    """The CUDA simple kernel over the codes (the append quantized on the device too) gives
+    the CPU kernels' output and caches."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
-    k_cache, k_scale = (t.cuda() for t in quantized(torch.randn(2, 16, H_KV, E), torch.int8))
-    v_cache, v_scale = (t.cuda() for t in quantized(torch.randn(2, 16, H_KV, E), torch.int8))
-    with pytest.raises(RuntimeError, match="read by the CPU kernels only"):
-        fusedmha.flash_attn_with_kvcache(torch.randn(2, 1, H, E, device="cuda"), k_cache, v_cache,
-                                         cache_seqlens=3, k_scale=k_scale, v_scale=v_scale)
+    k_cache, k_scale = quantized(torch.randn(2, 64, H_KV, E), codes)
+    v_cache, v_scale = quantized(torch.randn(2, 64, H_KV, E), codes)
+    q, k, v = torch.randn(2, 1, H, E), torch.randn(2, 1, H_KV, E), torch.randn(2, 1, H_KV, E)
+    on_gpu = [t.cuda() for t in (q, k_cache, v_cache, k, v, k_scale, v_scale)]
+    want = fusedmha.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=40,
+                                            causal=True, k_scale=k_scale, v_scale=v_scale)
+    got = fusedmha.flash_attn_with_kvcache(*on_gpu[:5], cache_seqlens=40, causal=True,
+                                           k_scale=on_gpu[5], v_scale=on_gpu[6])
+    torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=1e-5)
+    for gpu, cpu in zip(on_gpu[1:3] + on_gpu[5:], (k_cache, v_cache, k_scale, v_scale)):
+        assert torch.equal(gpu.cpu().float(), cpu.float())
 
 
 @pytest.mark.parametrize("codes", CODES)

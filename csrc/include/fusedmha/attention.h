@@ -143,7 +143,7 @@ FUSEDMHA_API at::Tensor attention_weights(
 // k_scale and v_scale (float32, key's and value's shapes without the last
 // dim), key and value are quantized: 8-bit codes (int8, float8_e4m3fn or
 // float8_e5m2; see quantize_kv) whose values are code · scale, read as
-// such by the kernels: forward only, on the CPU.
+// such by the kernels: forward only.
 FUSEDMHA_API std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_forward(
     const at::Tensor& query,
     const at::Tensor& key,
