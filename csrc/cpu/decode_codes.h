@@ -40,15 +40,6 @@ constexpr int64_t kCodeKeysPerBurst = 8;
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
 constexpr bool kCodesInRegisters = true;
 
-// One vector of codes (kCodeLanes of them) as floats: int8 and e5m2 as
-// their values, e4m3 as its value / 2^8 (code_unit).
-template <KVStorage S>
-FloatLanes code_lanes(const uint8_t* c) {
-  if constexpr (S == KVStorage::Int8) return int8_codes(c);
-  if constexpr (S == KVStorage::Float8E5M2) return fp16_lanes(shifted_left<8>(load_codes(c)));
-  return fp16_lanes(e4m3_as_fp16(load_signed_codes(c)));
-}
-
 // Two vectors of codes (2 · kCodeLanes) as code_lanes gives them. With AVX2,
 // fp8 codes become fp16 bits 16 at a time in one 256-bit register: half the
 // integer operations per code.
@@ -75,8 +66,6 @@ void code_pair(const uint8_t* c, FloatLanes& lo, FloatLanes& hi) {
   lo = code_lanes<S>(c);
   hi = code_lanes<S>(c + kCodeLanes);
 }
-template <KVStorage S>
-constexpr float code_unit() { return S == KVStorage::Float8E4M3 ? 256.0f : 1.0f; }
 
 #if defined(CPU_CAPABILITY_AVX512)
 FloatLanes load(const float* x) { return _mm512_loadu_ps(x); }
@@ -266,20 +255,6 @@ constexpr bool kCodesInRegisters = false;
 constexpr int64_t code_score_steps(int64_t cols, int64_t rows) {
   const int64_t R = rows == 1 ? 1 : rows == 2 ? 2 : 4;
   return (rows + R - 1) / R * ((cols + kCodeKeysPerBurst - 1) / kCodeKeysPerBurst);
-}
-
-// Calls f with S as a compile-time constant (std::integral_constant).
-template <typename F>
-void with_storage(KVStorage s, const F& f) {
-  using Int8 = std::integral_constant<KVStorage, KVStorage::Int8>;
-  using E4M3 = std::integral_constant<KVStorage, KVStorage::Float8E4M3>;
-  using E5M2 = std::integral_constant<KVStorage, KVStorage::Float8E5M2>;
-  switch (s) {
-    case KVStorage::Int8: return f(Int8{});
-    case KVStorage::Float8E4M3: return f(E4M3{});
-    case KVStorage::Float8E5M2: return f(E5M2{});
-    case KVStorage::Dense: return;
-  }
 }
 
 }  // namespace

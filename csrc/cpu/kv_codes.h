@@ -87,31 +87,49 @@ CodeLanes e4m3_as_fp16(CodeLanes signed_codes) {
 }
 #endif
 
+// Calls f with S as a compile-time constant (std::integral_constant).
+template <typename F>
+void with_storage(KVStorage s, const F& f) {
+  using Int8 = std::integral_constant<KVStorage, KVStorage::Int8>;
+  using E4M3 = std::integral_constant<KVStorage, KVStorage::Float8E4M3>;
+  using E5M2 = std::integral_constant<KVStorage, KVStorage::Float8E5M2>;
+  switch (s) {
+    case KVStorage::Int8: return f(Int8{});
+    case KVStorage::Float8E4M3: return f(E4M3{});
+    case KVStorage::Float8E5M2: return f(E5M2{});
+    case KVStorage::Dense: return;
+  }
+}
+
+// e4m3 codes read as their value / 2^8 (code_lanes): the product by 2^8.
+template <KVStorage S>
+constexpr float code_unit() { return S == KVStorage::Float8E4M3 ? 256.0f : 1.0f; }
+
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+// One vector of codes (kCodeLanes of them) as floats: int8 and e5m2 as
+// their values, e4m3 as its value / 2^8 (code_unit).
+template <KVStorage S>
+FloatLanes code_lanes(const uint8_t* c) {
+  if constexpr (S == KVStorage::Int8) return int8_codes(c);
+  if constexpr (S == KVStorage::Float8E5M2) return fp16_lanes(shifted_left<8>(load_codes(c)));
+  return fp16_lanes(e4m3_as_fp16(load_signed_codes(c)));
+}
+#endif
+
 // dst[0..n) = codes[0..n) · scale, codes stored as s.
 template <typename acc_t>
 inline void dequantize(KVStorage s, const uint8_t* codes, acc_t scale, acc_t* dst, int64_t n) {
   int64_t e = 0;
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<acc_t, float>) {
-    const FloatLanes vs = splat(scale), unit = splat(256.0f);
-    const int64_t whole = n / kCodeLanes * kCodeLanes;
-    switch (s) {
-      case KVStorage::Int8:
-        for (; e < whole; e += kCodeLanes) store(dst + e, times(int8_codes(codes + e), vs));
-        break;
-      case KVStorage::Float8E5M2:  // (the high byte of an fp16)
-        for (; e < whole; e += kCodeLanes) {
-          store(dst + e, times(fp16_lanes(shifted_left<8>(load_codes(codes + e))), vs));
-        }
-        break;
-      case KVStorage::Float8E4M3:  // (the product by 2^8 is exact)
-        for (; e < whole; e += kCodeLanes) {
-          const FloatLanes x = fp16_lanes(e4m3_as_fp16(load_signed_codes(codes + e)));
-          store(dst + e, times(times(x, unit), vs));
-        }
-        break;
-      case KVStorage::Dense: break;
-    }
+    with_storage(s, [&](auto storage) {
+      constexpr KVStorage S = decltype(storage)::value;
+      const FloatLanes vs = splat(scale), unit = splat(code_unit<S>());
+      for (; e + kCodeLanes <= n; e += kCodeLanes) {
+        const FloatLanes x = code_lanes<S>(codes + e);
+        store(dst + e, times(S == KVStorage::Float8E4M3 ? times(x, unit) : x, vs));
+      }
+    });
   }
 #endif
   for (; e < n; ++e) dst[e] = static_cast<acc_t>(code_value(s, codes[e])) * scale;
