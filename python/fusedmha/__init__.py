@@ -38,6 +38,7 @@ from fusedmha.flash_attn import (  # noqa: E402
     flash_attn_with_kvcache,
     merge_attention,
 )
+from fusedmha.flex import flex_attention  # noqa: E402
 from fusedmha.functional import scaled_dot_product_attention  # noqa: E402
 from fusedmha.kv_quantization import dequantize_kv, quantize_kv  # noqa: E402
 from fusedmha.modules import MultiheadAttention  # noqa: E402
@@ -64,6 +65,7 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_with_kvcache",
     "merge_attention",
+    "flex_attention",
     "quantize_kv",
     "dequantize_kv",
     "build_info",

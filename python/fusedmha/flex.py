@@ -1,0 +1,176 @@
+"""FlexAttention's interface: ``flex_attention`` with a ``BlockMask`` from torch's
+``create_block_mask``, and the ``score_mod``s fusedmha's kernels compute (``softcap``,
+``alibi``, ``bias``), forward and backward on every device fusedmha runs on.
+
+A ``BlockMask`` is read as flex_attention reads it: a key block it lists as full is attended
+to whole, a block it lists as partial where its ``mask_mod`` is true, a block it does not list
+not at all. Its partial blocks' ``mask_mod`` is evaluated once per BlockMask, one vectorised
+call over every partial block's index grid, and kept with the BlockMask (training steps reuse
+it); the kernels then read the resulting ``(B, H, L, S)`` boolean mask (docs/flex.md says what
+that costs).
+
+A Python ``score_mod`` cannot run inside a C++ kernel: ``flex_attention`` takes only the ones
+built here, each also a plain callable with ``score_mod``'s signature, so the same object runs
+under torch's own ``flex_attention`` too.
+"""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["flex_attention", "softcap", "alibi", "bias"]
+
+
+class _ScoreMod:
+    """A score_mod fusedmha computes in its kernels: the variant arguments of the op it maps
+    to, and the same function as a callable for torch's flex_attention."""
+
+    def variants(self, query: Tensor, key: Tensor, mask: Optional[Tensor]):
+        """(keyword arguments for attention_forward, the attn_mask to pass instead of mask)."""
+        raise NotImplementedError
+
+
+class softcap(_ScoreMod):
+    """``score -> cap * tanh(score / cap)`` (Gemma 2's logit soft-capping), on the scaled
+    scores."""
+
+    def __init__(self, cap: float):
+        if not cap > 0:
+            raise ValueError(f"fusedmha.flex.softcap: cap must be > 0, got {cap}")
+        self.cap = float(cap)
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        return self.cap * torch.tanh(score / self.cap)
+
+    def variants(self, query, key, mask):
+        return dict(softcap=self.cap), mask
+
+
+class alibi(_ScoreMod):
+    """``score -> score - slopes[h] * |q_idx - kv_idx|`` (ALiBi), with ``slopes`` a float
+    tensor ``(H)`` of the query heads, on the device of the queries."""
+
+    def __init__(self, slopes: Tensor):
+        if not isinstance(slopes, Tensor) or slopes.dim() != 1:
+            raise ValueError("fusedmha.flex.alibi: slopes must be a 1-D tensor (H), got "
+                             f"{getattr(slopes, 'shape', type(slopes).__name__)}")
+        self.slopes = slopes
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        return score - self.slopes[h] * (q_idx - kv_idx).abs()
+
+    def variants(self, query, key, mask):
+        if self.slopes.shape[0] != query.shape[1]:
+            raise ValueError(f"fusedmha.flex.alibi: slopes has {self.slopes.shape[0]} entries, "
+                             f"the queries {query.shape[1]} heads")
+        return dict(alibi_slopes=self.slopes.to(torch.float32)), mask
+
+
+class bias(_ScoreMod):
+    """``score -> score + bias[b, h, q_idx, kv_idx]``: a float tensor broadcastable to
+    ``(B, H, L, S)``, differentiable (a learnable bias gets its gradient)."""
+
+    def __init__(self, tensor: Tensor):
+        if not isinstance(tensor, Tensor) or not tensor.is_floating_point() or tensor.dim() > 4:
+            raise ValueError("fusedmha.flex.bias: expected a floating-point tensor of at most "
+                             "4 dims, broadcastable to (B, H, L, S)")
+        self.tensor = tensor
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        t = self.tensor.reshape((1,) * (4 - self.tensor.dim()) + tuple(self.tensor.shape))
+        idx = [i if n > 1 else torch.zeros_like(i) for i, n in zip((b, h, q_idx, kv_idx), t.shape)]
+        return score + t[idx[0], idx[1], idx[2], idx[3]]
+
+    def variants(self, query, key, mask):
+        t = self.tensor.to(query.dtype)
+        if mask is None:
+            return {}, t
+        return {}, t.masked_fill(~mask, float("-inf"))
+
+
+def _block_mask_dense(block_mask, device) -> Tensor:
+    """The (B or 1, H or 1, L, S) bool mask a BlockMask stands for, evaluated once and kept
+    on the BlockMask (per device)."""
+    cache = block_mask.__dict__.setdefault("_fusedmha_dense", {})
+    if device in cache:
+        return cache[device]
+    L, S = block_mask.seq_lengths
+    QB, KB = block_mask.BLOCK_SIZE
+    kv_num, kv_idx = block_mask.kv_num_blocks, block_mask.kv_indices
+    Bm, Hm, nq = kv_num.shape
+    nk = -(-S // KB)
+    # Block states: 0 not listed, 1 partial, 2 full.
+    state = torch.zeros(Bm, Hm, nq, nk + 1, dtype=torch.uint8, device=kv_num.device)
+    def mark(num, idx, value):
+        cols = idx.shape[-1]
+        listed = torch.arange(cols, device=idx.device) < num.unsqueeze(-1)
+        target = torch.where(listed, idx.long().clamp(0, nk - 1), nk)  # (unlisted: the spare)
+        state.scatter_(3, target, torch.full_like(target, value, dtype=torch.uint8))
+    mark(kv_num, kv_idx, 1)
+    if block_mask.full_kv_num_blocks is not None:
+        mark(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, 2)
+    state = state[..., :nk]
+    dense = (state == 2).repeat_interleave(QB, 2).repeat_interleave(KB, 3)[:, :, :L, :S]
+    partial = (state == 1).nonzero()
+    if partial.numel() and block_mask.mask_mod is not None:
+        b, h, qb, kb = (partial[:, i].view(-1, 1, 1) for i in range(4))
+        qi = qb * QB + torch.arange(QB, device=partial.device).view(1, -1, 1)
+        ki = kb * KB + torch.arange(KB, device=partial.device).view(1, 1, -1)
+        inside = (qi < L) & (ki < S)
+        qi, ki = qi.clamp(max=L - 1), ki.clamp(max=S - 1)
+        shape = (partial.shape[0], QB, KB)
+        allowed = block_mask.mask_mod(b.expand(shape), h.expand(shape), qi.expand(shape),
+                                      ki.expand(shape))
+        allowed = torch.as_tensor(allowed, device=partial.device).bool().expand(shape) & inside
+        bb, hh = b.expand(shape)[inside], h.expand(shape)[inside]
+        dense[bb, hh, qi.expand(shape)[inside], ki.expand(shape)[inside]] = allowed[inside]
+    dense = dense.to(device)
+    cache[device] = dense
+    return dense
+
+
+def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod=None, block_mask=None,
+                   scale: Optional[float] = None, enable_gqa: bool = False,
+                   return_lse: bool = False, kernel_options=None, *, return_aux=None):
+    """torch.nn.attention.flex_attention.flex_attention for ``(B, H, L, E)`` queries and
+    ``(B, H_kv, S, E)`` keys and values: ``block_mask`` a BlockMask of torch's
+    ``create_block_mask`` (any BLOCK_SIZE; B and H of 1 broadcast), ``score_mod`` None or one of
+    ``fusedmha.flex.softcap``, ``alibi``, ``bias``. Returns the output ``(B, H, L, Ev)`` and, with
+    ``return_lse``, the log-sum-exp of each row ``(B, H, L)`` (float32; float64 for float64
+    inputs). A row that sees no key gives 0 and an lse of -inf, as flex_attention's does.
+    Differentiable with respect to query, key, value and a ``bias`` tensor.
+    ``kernel_options`` tunes torch's compiled kernels and is not read here; ``return_aux`` must
+    be None (use ``return_lse``)."""
+    if return_aux is not None:
+        raise ValueError("fusedmha.flex_attention: return_aux is not supported: pass "
+                         "return_lse=True for the log-sum-exp")
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, Tensor) or t.dim() != 4:
+            raise ValueError(f"fusedmha.flex_attention: {name} must be a 4-D tensor "
+                             f"(B, H, L or S, E), got "
+                             f"{tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}")
+    if score_mod is not None and not isinstance(score_mod, _ScoreMod):
+        raise TypeError(
+            "fusedmha.flex_attention: score_mod must be None or one of fusedmha.flex.softcap(cap), "
+            "fusedmha.flex.alibi(slopes), fusedmha.flex.bias(tensor) (a Python score_mod cannot "
+            f"run inside the C++ kernels), got {score_mod!r}")
+    if query.shape[1] != key.shape[1] and not enable_gqa:
+        raise ValueError(f"fusedmha.flex_attention: query has {query.shape[1]} heads and key "
+                         f"{key.shape[1]}: pass enable_gqa=True for grouped-query attention")
+    L, S = query.shape[2], key.shape[2]
+    mask = None
+    if block_mask is not None:
+        if tuple(block_mask.seq_lengths) != (L, S):
+            raise ValueError(f"fusedmha.flex_attention: block_mask is for (L, S) = "
+                             f"{tuple(block_mask.seq_lengths)}, the inputs have ({L}, {S})")
+        mask = _block_mask_dense(block_mask, query.device)
+    variants = {}
+    if score_mod is not None:
+        variants, mask = score_mod.variants(query, key, mask)
+    out, lse, _ = torch.ops.fusedmha.attention_forward(query, key, value, mask, 0.0, False, scale,
+                                                       enable_gqa, **variants)
+    if not return_lse:
+        return out
+    # (The kernels' lse of a row with no key is +inf, for their backward; flex's is -inf.)
+    return out, torch.where(torch.isposinf(lse), float("-inf"), lse)
