@@ -86,47 +86,69 @@ class bias(_ScoreMod):
         t = self.tensor.to(query.dtype)
         if mask is None:
             return {}, t
-        return {}, t.masked_fill(~mask, float("-inf"))
+        return {}, torch.where(mask, t, float("-inf"))
 
 
 def _block_mask_dense(block_mask, device) -> Tensor:
     """The (B or 1, H or 1, L, S) bool mask a BlockMask stands for, evaluated once and kept
-    on the BlockMask (per device)."""
+    on the BlockMask (per device). Under torch.compile, mask_mod is evaluated over the whole
+    index grid in the graph instead (shapes that do not depend on the data, which the compiler
+    fuses into one pass), and nothing is kept."""
+    if torch.compiler.is_compiling():
+        return _block_states_dense(block_mask, whole_grid=True).to(device)
     cache = block_mask.__dict__.setdefault("_fusedmha_dense", {})
-    if device in cache:
-        return cache[device]
+    if device not in cache:
+        cache[device] = _block_states_dense(block_mask, whole_grid=False).to(device)
+    return cache[device]
+
+
+def _block_states_dense(block_mask, whole_grid: bool) -> Tensor:
+    """The BlockMask's dense mask: full blocks true, partial ones where mask_mod holds
+    (evaluated over the partial blocks only, or with whole_grid over every index), the rest
+    false."""
     L, S = block_mask.seq_lengths
     QB, KB = block_mask.BLOCK_SIZE
-    kv_num, kv_idx = block_mask.kv_num_blocks, block_mask.kv_indices
+    kv_num = block_mask.kv_num_blocks
     Bm, Hm, nq = kv_num.shape
     nk = -(-S // KB)
-    # Block states: 0 not listed, 1 partial, 2 full.
-    state = torch.zeros(Bm, Hm, nq, nk + 1, dtype=torch.uint8, device=kv_num.device)
-    def mark(num, idx, value):
-        cols = idx.shape[-1]
-        listed = torch.arange(cols, device=idx.device) < num.unsqueeze(-1)
-        target = torch.where(listed, idx.long().clamp(0, nk - 1), nk)  # (unlisted: the spare)
-        state.scatter_(3, target, torch.full_like(target, value, dtype=torch.uint8))
-    mark(kv_num, kv_idx, 1)
+    # Each block's state: 0 not listed, 1 partial, 2 full (column nk: where unlisted
+    # entries of the index lists go).
+    blocks = torch.zeros(Bm, Hm, nq, nk + 1, dtype=torch.uint8, device=kv_num.device)
+
+    def mark(num, indices, value):
+        listed = torch.arange(indices.shape[-1], device=indices.device) < num.unsqueeze(-1)
+        target = torch.where(listed, indices.long().clamp(0, nk - 1), nk)
+        blocks.scatter_(3, target, torch.full_like(target, value, dtype=torch.uint8))
+
+    mark(kv_num, block_mask.kv_indices, 1)
     if block_mask.full_kv_num_blocks is not None:
         mark(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, 2)
-    state = state[..., :nk]
-    dense = (state == 2).repeat_interleave(QB, 2).repeat_interleave(KB, 3)[:, :, :L, :S]
-    partial = (state == 1).nonzero()
-    if partial.numel() and block_mask.mask_mod is not None:
-        b, h, qb, kb = (partial[:, i].view(-1, 1, 1) for i in range(4))
-        qi = qb * QB + torch.arange(QB, device=partial.device).view(1, -1, 1)
-        ki = kb * KB + torch.arange(KB, device=partial.device).view(1, 1, -1)
-        inside = (qi < L) & (ki < S)
-        qi, ki = qi.clamp(max=L - 1), ki.clamp(max=S - 1)
-        shape = (partial.shape[0], QB, KB)
-        allowed = block_mask.mask_mod(b.expand(shape), h.expand(shape), qi.expand(shape),
-                                      ki.expand(shape))
-        allowed = torch.as_tensor(allowed, device=partial.device).bool().expand(shape) & inside
-        bb, hh = b.expand(shape)[inside], h.expand(shape)[inside]
-        dense[bb, hh, qi.expand(shape)[inside], ki.expand(shape)[inside]] = allowed[inside]
-    dense = dense.to(device)
-    cache[device] = dense
+    blocks = blocks[..., :nk]
+    state = blocks.repeat_interleave(QB, 2).repeat_interleave(KB, 3)[:, :, :L, :S]
+    dense = state == 2
+    if block_mask.mask_mod is None:
+        return dense | (state == 1)
+    if whole_grid:
+        on = dict(device=state.device)
+        allowed = block_mask.mask_mod(torch.arange(Bm, **on).view(-1, 1, 1, 1),
+                                      torch.arange(Hm, **on).view(1, -1, 1, 1),
+                                      torch.arange(L, **on).view(1, 1, -1, 1),
+                                      torch.arange(S, **on).view(1, 1, 1, -1))
+        return dense | ((state == 1) & allowed)
+    partial = (blocks == 1).nonzero()
+    if partial.numel() == 0:
+        return dense
+    # One mask_mod call over the index grids of all partial blocks, (count, QB, KB); indices
+    # past L or S (a last, shorter block) clamped for the call and dropped after.
+    b, h, qb, kb = (partial[:, i].view(-1, 1, 1) for i in range(4))
+    qi = qb * QB + torch.arange(QB, device=partial.device).view(1, -1, 1)
+    ki = kb * KB + torch.arange(KB, device=partial.device).view(1, 1, -1)
+    shape = (partial.shape[0], QB, KB)
+    inside = ((qi < L) & (ki < S)).expand(shape)
+    qi, ki, b, h = (x.expand(shape) for x in (qi.clamp(max=L - 1), ki.clamp(max=S - 1), b, h))
+    allowed = torch.as_tensor(block_mask.mask_mod(b, h, qi, ki), device=partial.device)
+    allowed = allowed.bool().expand(shape)
+    dense[b[inside], h[inside], qi[inside], ki[inside]] = allowed[inside]
     return dense
 
 

@@ -82,6 +82,14 @@ def test_quantized_generate_benchmark_smoke_run():
         assert column in res.stdout, res.stdout
 
 
+def test_flex_benchmark_smoke_run():
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_flex_cpu.py"),
+                          "--quick"], capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    assert res.returncode == 0, res.stderr
+    for column in ("document x8", "prefix-LM", "x sdpa", "% peak", "every block full"):
+        assert column in res.stdout, res.stdout
+
+
 def test_peak_probe_is_a_plausible_number():
     """cpu_fma_peak_gflops measures something: more than a scalar loop could, and finite."""
     import fusedmha

@@ -27,7 +27,8 @@ def _block_dense(block_mask):
             for h in range(Hm):
                 for i in range(nq):
                     for j in idx[b, h, i, : num[b, h, i]].tolist():
-                        qs, ks = slice(i * QB, min((i + 1) * QB, L)), slice(j * KB, min((j + 1) * KB, S))
+                        qs = slice(i * QB, min((i + 1) * QB, L))
+                        ks = slice(j * KB, min((j + 1) * KB, S))
                         if full:
                             out[b, h, qs, ks] = True
                             continue
@@ -150,7 +151,7 @@ def test_score_mods(kind):
     elif kind == "alibi":
         mod = flex.alibi(torch.rand(4, generator=g))
     else:
-        mod = flex.bias(torch.randn(4, 120, 1, generator=g).expand(4, 120, 150).contiguous())
+        mod = flex.bias(torch.randn(4, 120, 1, generator=g))  # (broadcast over the keys)
     _check(q, k, v, bm, score_mod=mod)
 
 
@@ -211,3 +212,33 @@ def test_errors():
         flex.softcap(0)
     with pytest.raises(ValueError, match="slopes has 3 entries"):
         fusedmha.flex_attention(q, k, v, score_mod=flex.alibi(torch.ones(3)))
+
+
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+def test_whole_grid_evaluation_equals_partial_blocks(pattern):
+    # (torch.compile evaluates mask_mod over the whole grid; eager calls over partial blocks.)
+    mask_mod = PATTERNS[pattern](_documents(200))
+    bm = create_block_mask(mask_mod, 2, 4, 200, 190, device="cpu", BLOCK_SIZE=(32, 64))
+    whole = flex._block_states_dense(bm, whole_grid=True)
+    assert torch.equal(whole, flex._block_states_dense(bm, whole_grid=False))
+    assert torch.equal(whole, _block_dense(bm))
+
+
+def test_compile_fullgraph():
+    docs = _documents(200)
+    bm = create_block_mask(PATTERNS["document_causal"](docs), None, None, 200, 200,
+                           device="cpu", BLOCK_SIZE=64)
+    table = torch.randn(4, 200, 200, requires_grad=True)
+
+    def step(q, k, v, block_mask):
+        return flex_call(q, k, v, block_mask).square().sum()
+
+    def flex_call(q, k, v, block_mask):
+        return fusedmha.flex_attention(q, k, v, score_mod=flex.bias(table), block_mask=block_mask)
+
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    compiled = torch.compile(step, fullgraph=True)
+    grads = torch.autograd.grad(compiled(q, k, v, bm), (q, k, v, table))
+    ref = torch.autograd.grad(step(q, k, v, bm), (q, k, v, table))
+    for a, b in zip(grads, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
