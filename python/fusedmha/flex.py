@@ -83,29 +83,54 @@ class bias(_ScoreMod):
         return score + t[idx[0], idx[1], idx[2], idx[3]]
 
     def variants(self, query, key, mask):
+        B, H, L, S = query.shape[0], query.shape[1], query.shape[2], key.shape[2]
+        shape = (1,) * (4 - self.tensor.dim()) + tuple(self.tensor.shape)
+        if any(n not in (1, m) for n, m in zip(shape, (B, H, L, S))):
+            raise ValueError(f"fusedmha.flex.bias: tensor of shape {tuple(self.tensor.shape)} "
+                             f"does not broadcast to (B, H, L, S) = {(B, H, L, S)}")
         t = self.tensor.to(query.dtype)
         if mask is None:
             return {}, t
         return {}, torch.where(mask, t, float("-inf"))
 
 
-def _block_mask_dense(block_mask, device) -> Tensor:
-    """The (B or 1, H or 1, L, S) bool mask a BlockMask stands for, evaluated once and kept
-    on the BlockMask (per device). Under torch.compile, mask_mod is evaluated over the whole
-    index grid in the graph instead (shapes that do not depend on the data, which the compiler
-    fuses into one pass), and nothing is kept."""
+def _block_mask_dense(block_mask, B: int, H: int, device) -> Tensor:
+    """The (B or 1, H or 1, L, S) bool mask a BlockMask stands for over B batches and H heads,
+    evaluated once and kept on the BlockMask, keyed by what it was computed from (the mask_mod,
+    the block tensors and their versions, B, H, the device): a BlockMask whose mask_mod or
+    block lists change is evaluated again. (A mask_mod that reads tensors changed in place is
+    not seen to change: build a new BlockMask then.) Under torch.compile, mask_mod is
+    evaluated over the whole index grid in the graph instead (shapes that do not depend on the
+    data, which the compiler fuses into one pass), and nothing is kept."""
     if torch.compiler.is_compiling():
-        return _block_states_dense(block_mask, whole_grid=True).to(device)
-    cache = block_mask.__dict__.setdefault("_fusedmha_dense", {})
-    if device not in cache:
-        cache[device] = _block_states_dense(block_mask, whole_grid=False).to(device)
-    return cache[device]
+        return _block_states_dense(block_mask, B, H, whole_grid=True).to(device)
+    tensors = [t for t in (block_mask.kv_num_blocks, block_mask.kv_indices,
+                           block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
+               if t is not None]
+    key = (B, H, device, block_mask.mask_mod, tuple(block_mask.seq_lengths),
+           tuple(block_mask.BLOCK_SIZE), tuple((t.data_ptr(), t._version) for t in tensors))
+    cached = block_mask.__dict__.get("_fusedmha_dense")
+    if cached is None or cached[0] != key:
+        cached = (key, _compact(_block_states_dense(block_mask, B, H, whole_grid=False)).to(device))
+        block_mask.__dict__["_fusedmha_dense"] = cached
+    return cached[1]
 
 
-def _block_states_dense(block_mask, whole_grid: bool) -> Tensor:
-    """The BlockMask's dense mask: full blocks true, partial ones where mask_mod holds
-    (evaluated over the partial blocks only, or with whole_grid over every index), the rest
-    false."""
+def _compact(dense: Tensor) -> Tensor:
+    """dense with its batch and head dims reduced to 1 where every index holds the same mask
+    (a mask_mod that does not read b or h): the kernels then read one (L, S) mask."""
+    for dim in (0, 1):
+        if dense.shape[dim] > 1 and bool((dense == dense.narrow(dim, 0, 1)).all()):
+            dense = dense.narrow(dim, 0, 1)
+    return dense
+
+
+def _block_states_dense(block_mask, B: int, H: int, whole_grid: bool) -> Tensor:
+    """The BlockMask's dense mask over B batches and H heads, (B, H, L, S): full blocks true,
+    partial ones where mask_mod holds (evaluated over the partial blocks only, or with
+    whole_grid over every index), the rest false. A BlockMask of batch or heads 1 lists the
+    blocks for every batch index or head, and mask_mod is called with each one's own b and h,
+    as flex_attention calls it."""
     L, S = block_mask.seq_lengths
     QB, KB = block_mask.BLOCK_SIZE
     kv_num = block_mask.kv_num_blocks
@@ -123,15 +148,13 @@ def _block_states_dense(block_mask, whole_grid: bool) -> Tensor:
     mark(kv_num, block_mask.kv_indices, 1)
     if block_mask.full_kv_num_blocks is not None:
         mark(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, 2)
-    blocks = blocks[..., :nk]
+    blocks = blocks[..., :nk].expand(B, H, nq, nk)
     state = blocks.repeat_interleave(QB, 2).repeat_interleave(KB, 3)[:, :, :L, :S]
     dense = state == 2
-    if block_mask.mask_mod is None:
-        return dense | (state == 1)
     if whole_grid:
         on = dict(device=state.device)
-        allowed = block_mask.mask_mod(torch.arange(Bm, **on).view(-1, 1, 1, 1),
-                                      torch.arange(Hm, **on).view(1, -1, 1, 1),
+        allowed = block_mask.mask_mod(torch.arange(B, **on).view(-1, 1, 1, 1),
+                                      torch.arange(H, **on).view(1, -1, 1, 1),
                                       torch.arange(L, **on).view(1, 1, -1, 1),
                                       torch.arange(S, **on).view(1, 1, 1, -1))
         return dense | ((state == 1) & allowed)
@@ -186,7 +209,12 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod=None, bl
         if tuple(block_mask.seq_lengths) != (L, S):
             raise ValueError(f"fusedmha.flex_attention: block_mask is for (L, S) = "
                              f"{tuple(block_mask.seq_lengths)}, the inputs have ({L}, {S})")
-        mask = _block_mask_dense(block_mask, query.device)
+        Bm, Hm = block_mask.kv_num_blocks.shape[:2]
+        B, H = query.shape[0], query.shape[1]
+        if Bm not in (1, B) or Hm not in (1, H):
+            raise ValueError(f"fusedmha.flex_attention: block_mask is for (B, H) = ({Bm}, {Hm}), "
+                             f"the query has ({B}, {H}): expected 1 or the query's, each")
+        mask = _block_mask_dense(block_mask, B, H, query.device)
     variants = {}
     if score_mod is not None:
         variants, mask = score_mod.variants(query, key, mask)

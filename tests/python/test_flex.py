@@ -12,21 +12,25 @@ import fusedmha
 import fusedmha.flex as flex
 
 
-def _block_dense(block_mask):
-    """The mask a BlockMask stands for, built here from its definition: listed full blocks
-    whole, listed partial blocks where mask_mod holds, nothing else."""
+def _block_dense(block_mask, B=None, H=None):
+    """The (B, H, L, S) mask a BlockMask stands for, built here from its definition: listed
+    full blocks whole, listed partial blocks where mask_mod holds (called with each batch
+    index's and head's own b and h, also where the BlockMask's batch or heads are 1), nothing
+    else."""
     L, S = block_mask.seq_lengths
     QB, KB = block_mask.BLOCK_SIZE
     Bm, Hm, nq = block_mask.kv_num_blocks.shape
-    out = torch.zeros(Bm, Hm, L, S, dtype=torch.bool)
+    B, H = B or Bm, H or Hm
+    out = torch.zeros(B, H, L, S, dtype=torch.bool)
     lists = [(block_mask.kv_num_blocks, block_mask.kv_indices, False)]
     if block_mask.full_kv_num_blocks is not None:
         lists.append((block_mask.full_kv_num_blocks, block_mask.full_kv_indices, True))
     for num, idx, full in lists:
-        for b in range(Bm):
-            for h in range(Hm):
+        for b in range(B):
+            for h in range(H):
+                bl, hl = b % Bm, h % Hm
                 for i in range(nq):
-                    for j in idx[b, h, i, : num[b, h, i]].tolist():
+                    for j in idx[bl, hl, i, : num[bl, hl, i]].tolist():
                         qs = slice(i * QB, min((i + 1) * QB, L))
                         ks = slice(j * KB, min((j + 1) * KB, S))
                         if full:
@@ -62,7 +66,7 @@ def _check(q, k, v, block_mask, score_mod=None, enable_gqa=False, scale=None, to
     out, lse = fusedmha.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
                                        scale=scale, enable_gqa=enable_gqa, return_lse=True)
     B, H, L, S = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
-    mask = (_block_dense(block_mask) if block_mask is not None
+    mask = (_block_dense(block_mask, B, H) if block_mask is not None
             else torch.ones(1, 1, L, S, dtype=torch.bool)).expand(B, H, L, S)
     ref_mod = score_mod if not isinstance(score_mod, flex.bias) else flex.bias(
         score_mod.tensor.detach().double())
@@ -109,6 +113,27 @@ def test_patterns(pattern, block_size):
     B = 2 if pattern == "per_batch" else None
     H = 4 if pattern == "per_head" else None
     bm = create_block_mask(mask_mod, B, H, 200, 200, device="cpu", BLOCK_SIZE=block_size)
+    _check(q, k, v, bm)
+
+
+@pytest.mark.parametrize("pattern", ["per_head", "per_batch"])
+def test_block_mask_of_one_batch_and_head_calls_mask_mod_with_each(pattern):
+    # (torch's create_block_mask(..., None, None, ...) lists blocks for b = h = 0 only; the
+    # partial blocks' mask_mod still sees every b and h.)
+    bm = create_block_mask(PATTERNS[pattern](None), None, None, 200, 200, device="cpu",
+                           BLOCK_SIZE=64)
+    _check(*_qkv(), bm)
+
+
+def test_changed_block_mask_is_evaluated_again():
+    bm = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 200, 200, device="cpu",
+                           BLOCK_SIZE=64)
+    q, k, v = _qkv()
+    first = fusedmha.flex_attention(q, k, v, block_mask=bm)
+    bm.mask_mod = lambda b, h, q, kv: q >= kv + 3
+    assert not torch.equal(first, fusedmha.flex_attention(q, k, v, block_mask=bm))
+    _check(q, k, v, bm)
+    bm.kv_num_blocks.zero_()  # (every partial block dropped, in place)
     _check(q, k, v, bm)
 
 
@@ -208,6 +233,11 @@ def test_errors():
         fusedmha.flex_attention(q, k, v, block_mask=bm)
     with pytest.raises(ValueError, match="return_aux"):
         fusedmha.flex_attention(q, k, v, return_aux=object())
+    two = create_block_mask(lambda b, h, q, kv: q >= kv, 2, 3, 200, 200, device="cpu")
+    with pytest.raises(ValueError, match=r"block_mask is for \(B, H\) = \(2, 3\)"):
+        fusedmha.flex_attention(q, k, v, block_mask=two)
+    with pytest.raises(ValueError, match="bias: tensor of shape"):
+        fusedmha.flex_attention(q, k, v, score_mod=flex.bias(torch.zeros(3, 200, 200)))
     with pytest.raises(ValueError, match="cap must be > 0"):
         flex.softcap(0)
     with pytest.raises(ValueError, match="slopes has 3 entries"):
@@ -219,8 +249,8 @@ def test_whole_grid_evaluation_equals_partial_blocks(pattern):
     # (torch.compile evaluates mask_mod over the whole grid; eager calls over partial blocks.)
     mask_mod = PATTERNS[pattern](_documents(200))
     bm = create_block_mask(mask_mod, 2, 4, 200, 190, device="cpu", BLOCK_SIZE=(32, 64))
-    whole = flex._block_states_dense(bm, whole_grid=True)
-    assert torch.equal(whole, flex._block_states_dense(bm, whole_grid=False))
+    whole = flex._block_states_dense(bm, 2, 4, whole_grid=True)
+    assert torch.equal(whole, flex._block_states_dense(bm, 2, 4, whole_grid=False))
     assert torch.equal(whole, _block_dense(bm))
 
 
