@@ -111,66 +111,73 @@ def _block_mask_dense(block_mask, B: int, H: int, device) -> Tensor:
            tuple(block_mask.BLOCK_SIZE), tuple((t.data_ptr(), t._version) for t in tensors))
     cached = block_mask.__dict__.get("_fusedmha_dense")
     if cached is None or cached[0] != key:
-        cached = (key, _compact(_block_states_dense(block_mask, B, H, whole_grid=False)).to(device))
+        cached = (key, _block_states_dense(block_mask, B, H, whole_grid=False).to(device))
         block_mask.__dict__["_fusedmha_dense"] = cached
     return cached[1]
 
 
-def _compact(dense: Tensor) -> Tensor:
-    """dense with its batch and head dims reduced to 1 where every index holds the same mask
-    (a mask_mod that does not read b or h): the kernels then read one (L, S) mask."""
-    for dim in (0, 1):
-        if dense.shape[dim] > 1 and bool((dense == dense.narrow(dim, 0, 1)).all()):
-            dense = dense.narrow(dim, 0, 1)
-    return dense
-
-
 def _block_states_dense(block_mask, B: int, H: int, whole_grid: bool) -> Tensor:
-    """The BlockMask's dense mask over B batches and H heads, (B, H, L, S): full blocks true,
-    partial ones where mask_mod holds (evaluated over the partial blocks only, or with
-    whole_grid over every index), the rest false. A BlockMask of batch or heads 1 lists the
-    blocks for every batch index or head, and mask_mod is called with each one's own b and h,
-    as flex_attention calls it."""
+    """The BlockMask's dense mask over B batches and H heads: full blocks true, partial ones
+    where mask_mod holds (evaluated over the partial blocks only, or with whole_grid over every
+    index), the rest false. A BlockMask of batch or heads 1 lists its blocks for every batch
+    index or head, and mask_mod is called with each one's own b and h, as flex_attention calls
+    it; the result keeps a dim of 1 where every index gave the same mask (a mask_mod that does
+    not read b or h), so that the kernels read one (L, S) mask then."""
     L, S = block_mask.seq_lengths
     QB, KB = block_mask.BLOCK_SIZE
     kv_num = block_mask.kv_num_blocks
     Bm, Hm, nq = kv_num.shape
     nk = -(-S // KB)
+    on = dict(device=kv_num.device)
     # Each block's state: 0 not listed, 1 partial, 2 full (column nk: where unlisted
     # entries of the index lists go).
-    blocks = torch.zeros(Bm, Hm, nq, nk + 1, dtype=torch.uint8, device=kv_num.device)
+    blocks = torch.zeros(Bm, Hm, nq, nk + 1, dtype=torch.uint8, **on)
 
     def mark(num, indices, value):
-        listed = torch.arange(indices.shape[-1], device=indices.device) < num.unsqueeze(-1)
+        listed = torch.arange(indices.shape[-1], **on) < num.unsqueeze(-1)
         target = torch.where(listed, indices.long().clamp(0, nk - 1), nk)
         blocks.scatter_(3, target, torch.full_like(target, value, dtype=torch.uint8))
 
     mark(kv_num, block_mask.kv_indices, 1)
     if block_mask.full_kv_num_blocks is not None:
         mark(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, 2)
-    blocks = blocks[..., :nk].expand(B, H, nq, nk)
-    state = blocks.repeat_interleave(QB, 2).repeat_interleave(KB, 3)[:, :, :L, :S]
-    dense = state == 2
+    blocks = blocks[..., :nk]
     if whole_grid:
-        on = dict(device=state.device)
+        state = blocks.repeat_interleave(QB, 2).repeat_interleave(KB, 3)[:, :, :L, :S]
         allowed = block_mask.mask_mod(torch.arange(B, **on).view(-1, 1, 1, 1),
                                       torch.arange(H, **on).view(1, -1, 1, 1),
                                       torch.arange(L, **on).view(1, 1, -1, 1),
                                       torch.arange(S, **on).view(1, 1, 1, -1))
-        return dense | ((state == 1) & allowed)
-    partial = (blocks == 1).nonzero()
-    if partial.numel() == 0:
-        return dense
-    # One mask_mod call over the index grids of all partial blocks, (count, QB, KB); indices
-    # past L or S (a last, shorter block) clamped for the call and dropped after.
-    b, h, qb, kb = (partial[:, i].view(-1, 1, 1) for i in range(4))
-    qi = qb * QB + torch.arange(QB, device=partial.device).view(1, -1, 1)
-    ki = kb * KB + torch.arange(KB, device=partial.device).view(1, 1, -1)
-    shape = (partial.shape[0], QB, KB)
+        return (state == 2) | ((state == 1) & allowed)
+    partial = (blocks == 1).nonzero()  # (count, 4): bm, hm, qb, kb
+    # One mask_mod call over the index grids of all partial blocks, (Bx, Hx, count, QB, KB):
+    # Bx = B where the BlockMask's batch is 1 (each b of the query), else 1 (the listed b);
+    # the same for heads. Indices past L or S (a last, shorter block) clamped for the call,
+    # dropped after.
+    bx = torch.arange(B, **on) if Bm == 1 and B > 1 else None
+    hx = torch.arange(H, **on) if Hm == 1 and H > 1 else None
+    b = (bx.view(-1, 1, 1, 1, 1) if bx is not None else partial[:, 0].view(1, 1, -1, 1, 1))
+    h = (hx.view(1, -1, 1, 1, 1) if hx is not None else partial[:, 1].view(1, 1, -1, 1, 1))
+    qi = partial[:, 2].view(1, 1, -1, 1, 1) * QB + torch.arange(QB, **on).view(1, 1, 1, -1, 1)
+    ki = partial[:, 3].view(1, 1, -1, 1, 1) * KB + torch.arange(KB, **on).view(1, 1, 1, 1, -1)
+    shape = (B if bx is not None else 1, H if hx is not None else 1, partial.shape[0], QB, KB)
     inside = ((qi < L) & (ki < S)).expand(shape)
-    qi, ki, b, h = (x.expand(shape) for x in (qi.clamp(max=L - 1), ki.clamp(max=S - 1), b, h))
-    allowed = torch.as_tensor(block_mask.mask_mod(b, h, qi, ki), device=partial.device)
-    allowed = allowed.bool().expand(shape)
+    qi, ki = qi.clamp(max=L - 1).expand(shape), ki.clamp(max=S - 1).expand(shape)
+    b, h = b.expand(shape), h.expand(shape)
+    allowed = torch.as_tensor(block_mask.mask_mod(b, h, qi, ki), **on).bool().expand(shape)
+    # (A broadcast dim whose every index gave the same bits stays 1.)
+    for dim, x in ((0, bx), (1, hx)):
+        if x is not None and bool((allowed == allowed.narrow(dim, 0, 1)).all()):
+            allowed, inside = allowed.narrow(dim, 0, 1), inside.narrow(dim, 0, 1)
+            qi, ki, b, h = (t.narrow(dim, 0, 1) for t in (qi, ki, b, h))
+            if dim == 0:
+                bx, b = None, torch.zeros_like(b)
+            else:
+                hx, h = None, torch.zeros_like(h)
+    Bo = B if bx is not None else Bm
+    Ho = H if hx is not None else Hm
+    dense = (blocks == 2).expand(Bo, Ho, nq, nk).repeat_interleave(QB, 2)
+    dense = dense.repeat_interleave(KB, 3)[:, :, :L, :S].contiguous()
     dense[b[inside], h[inside], qi[inside], ki[inside]] = allowed[inside]
     return dense
 

@@ -125,6 +125,15 @@ def test_block_mask_of_one_batch_and_head_calls_mask_mod_with_each(pattern):
     _check(*_qkv(), bm)
 
 
+def test_mask_kept_per_head_only_where_mask_mod_reads_the_head():
+    kept = {}
+    for pattern in ("per_head", "per_batch", "prefix_lm"):
+        bm = create_block_mask(PATTERNS[pattern](None), None, None, 200, 200, device="cpu",
+                               BLOCK_SIZE=64)
+        kept[pattern] = tuple(flex._block_mask_dense(bm, 2, 4, torch.device("cpu")).shape[:2])
+    assert kept == {"per_head": (1, 4), "per_batch": (2, 1), "prefix_lm": (1, 1)}
+
+
 def test_changed_block_mask_is_evaluated_again():
     bm = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 200, 200, device="cpu",
                            BLOCK_SIZE=64)
