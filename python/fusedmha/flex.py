@@ -1,6 +1,6 @@
 """FlexAttention's interface: ``flex_attention`` with a ``BlockMask`` from torch's
 ``create_block_mask``, and the ``score_mod``s fusedmha's kernels compute (``softcap``,
-``alibi``, ``bias``), forward and backward on every device fusedmha runs on.
+``alibi``, ``bias``, ``relative_position``), forward and backward on every device fusedmha runs on.
 
 A ``BlockMask`` is read as flex_attention reads it: a key block it lists as full is attended
 to whole, a block it lists as partial where its ``mask_mod`` is true, a block it does not list
@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-__all__ = ["flex_attention", "softcap", "alibi", "bias"]
+__all__ = ["flex_attention", "softcap", "alibi", "bias", "relative_position"]
 
 
 class _ScoreMod:
@@ -92,6 +92,34 @@ class bias(_ScoreMod):
         if mask is None:
             return {}, t
         return {}, torch.where(mask, t, float("-inf"))
+
+
+class relative_position(_ScoreMod):
+    """``score -> score + table[h, clamp(kv_idx - q_idx, -R, R) + R]``: a learnable relative
+    position bias, ``table`` a float tensor ``(H, 2R + 1)`` of the query heads (distances past R
+    share the last entry, as T5's buckets do at the far end). Its gradient flows."""
+
+    def __init__(self, table: Tensor):
+        if (not isinstance(table, Tensor) or not table.is_floating_point() or table.dim() != 2
+                or table.shape[1] % 2 != 1):
+            raise ValueError("fusedmha.flex.relative_position: table must be a floating-point "
+                             "tensor (H, 2R + 1), got "
+                             f"{getattr(table, 'shape', type(table).__name__)}")
+        self.table = table
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        R = self.table.shape[1] // 2
+        return score + self.table[h, (kv_idx - q_idx).clamp(-R, R) + R]
+
+    def variants(self, query, key, mask):
+        if self.table.shape[0] != query.shape[1]:
+            raise ValueError(f"fusedmha.flex.relative_position: table has {self.table.shape[0]} "
+                             f"rows, the queries {query.shape[1]} heads")
+        R = self.table.shape[1] // 2
+        on = dict(device=self.table.device)
+        distance = torch.arange(key.shape[2], **on) - torch.arange(query.shape[2], **on)[:, None]
+        # (H, L, S): the bias the kernels read as a float mask.
+        return bias(self.table[:, distance.clamp(-R, R) + R]).variants(query, key, mask)
 
 
 def _block_mask_dense(block_mask, B: int, H: int, device) -> Tensor:
@@ -188,10 +216,11 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod=None, bl
     """torch.nn.attention.flex_attention.flex_attention for ``(B, H, L, E)`` queries and
     ``(B, H_kv, S, E)`` keys and values: ``block_mask`` a BlockMask of torch's
     ``create_block_mask`` (any BLOCK_SIZE; B and H of 1 broadcast), ``score_mod`` None or one of
-    ``fusedmha.flex.softcap``, ``alibi``, ``bias``. Returns the output ``(B, H, L, Ev)`` and, with
+    ``fusedmha.flex.softcap``, ``alibi``, ``bias``, ``relative_position``. Returns the output ``(B, H, L, Ev)`` and, with
     ``return_lse``, the log-sum-exp of each row ``(B, H, L)`` (float32; float64 for float64
     inputs). A row that sees no key gives 0 and an lse of -inf, as flex_attention's does.
-    Differentiable with respect to query, key, value and a ``bias`` tensor.
+    Differentiable with respect to query, key, value and a ``bias`` or ``relative_position``
+    tensor.
     ``kernel_options`` tunes torch's compiled kernels and is not read here; ``return_aux`` must
     be None (use ``return_lse``)."""
     if return_aux is not None:
@@ -205,7 +234,8 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod=None, bl
     if score_mod is not None and not isinstance(score_mod, _ScoreMod):
         raise TypeError(
             "fusedmha.flex_attention: score_mod must be None or one of fusedmha.flex.softcap(cap), "
-            "fusedmha.flex.alibi(slopes), fusedmha.flex.bias(tensor) (a Python score_mod cannot "
+            "fusedmha.flex.alibi(slopes), fusedmha.flex.bias(tensor), "
+            "fusedmha.flex.relative_position(table) (a Python score_mod cannot "
             f"run inside the C++ kernels), got {score_mod!r}")
     if query.shape[1] != key.shape[1] and not enable_gqa:
         raise ValueError(f"fusedmha.flex_attention: query has {query.shape[1]} heads and key "

@@ -173,7 +173,7 @@ def test_no_block_mask_and_fully_masked_rows():
     _check(q, k, v, bm)
 
 
-@pytest.mark.parametrize("kind", ["softcap", "alibi", "bias"])
+@pytest.mark.parametrize("kind", ["softcap", "alibi", "bias", "relative_position"])
 def test_score_mods(kind):
     q, k, v = _qkv(L=120, S=150)
     q = q * 3
@@ -184,8 +184,10 @@ def test_score_mods(kind):
         mod = flex.softcap(5.0)
     elif kind == "alibi":
         mod = flex.alibi(torch.rand(4, generator=g))
-    else:
+    elif kind == "bias":
         mod = flex.bias(torch.randn(4, 120, 1, generator=g))  # (broadcast over the keys)
+    else:
+        mod = flex.relative_position(torch.randn(4, 41, generator=g))  # (distances past 20 clamp)
     _check(q, k, v, bm, score_mod=mod)
 
 
@@ -198,6 +200,22 @@ def test_bias_gradient():
     mask = _block_dense(bm)
     s = (q @ k.transpose(-1, -2)) / math.sqrt(32) + table
     ref = torch.softmax(s.masked_fill(~mask, float("-inf")), -1) @ v
+    g = torch.randn_like(out)
+    (grad,) = torch.autograd.grad(out, table, g)
+    (ref_grad,) = torch.autograd.grad(ref, table, g)
+    assert torch.allclose(grad, ref_grad, atol=1e-10)
+
+
+def test_relative_position_table_gradient():
+    q, k, v = _qkv(B=2, H=2, L=40, S=50, dtype=torch.float64)
+    table = torch.randn(2, 21, dtype=torch.float64, requires_grad=True)
+    bm = create_block_mask(lambda b, h, q, kv: q >= kv - 5, None, None, 40, 50, device="cpu",
+                           BLOCK_SIZE=16)
+    out = fusedmha.flex_attention(q, k, v, score_mod=flex.relative_position(table), block_mask=bm)
+    distance = (torch.arange(50) - torch.arange(40)[:, None]).clamp(-10, 10) + 10
+    s = (q @ k.transpose(-1, -2)) / math.sqrt(32) + table[:, distance]
+    ref = torch.softmax(s.masked_fill(~_block_dense(bm, 2, 2), float("-inf")), -1) @ v
+    assert torch.allclose(out, ref, atol=1e-12)
     g = torch.randn_like(out)
     (grad,) = torch.autograd.grad(out, table, g)
     (ref_grad,) = torch.autograd.grad(ref, table, g)
@@ -231,7 +249,7 @@ def test_signature_is_flex_attentions():
 
 def test_errors():
     q, k, v = _qkv()
-    with pytest.raises(TypeError, match="softcap.*alibi.*bias"):
+    with pytest.raises(TypeError, match="softcap.*alibi.*bias.*relative_position"):
         fusedmha.flex_attention(q, k, v, score_mod=lambda s, b, h, q, kv: s * 2)
     with pytest.raises(ValueError, match="enable_gqa"):
         fusedmha.flex_attention(q, k[:, :2], v[:, :2])
@@ -247,6 +265,10 @@ def test_errors():
         fusedmha.flex_attention(q, k, v, block_mask=two)
     with pytest.raises(ValueError, match="bias: tensor of shape"):
         fusedmha.flex_attention(q, k, v, score_mod=flex.bias(torch.zeros(3, 200, 200)))
+    with pytest.raises(ValueError, match=r"table must be a floating-point tensor \(H, 2R \+ 1\)"):
+        flex.relative_position(torch.zeros(4, 8))
+    with pytest.raises(ValueError, match="table has 3 rows"):
+        fusedmha.flex_attention(q, k, v, score_mod=flex.relative_position(torch.zeros(3, 5)))
     with pytest.raises(ValueError, match="cap must be > 0"):
         flex.softcap(0)
     with pytest.raises(ValueError, match="slopes has 3 entries"):
