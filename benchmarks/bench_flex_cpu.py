@@ -51,7 +51,8 @@ def main():
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--min-time", type=float, default=1.0)
-    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile(flex_attention)")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="skip torch.compile(flex_attention)")
     parser.add_argument("--quick", action="store_true", help="small sizes, no compile: a smoke run")
     a = parser.parse_args()
     if a.quick:
@@ -66,7 +67,8 @@ def main():
           "backward)")
     compiled = None if a.no_compile else torch.compile(torch_flex)
     header = (f"{'pattern':>16} {'kept':>6} {'mask ms':>8} {'1st ms':>8} {'fwd ms':>8} "
-              f"{'x sdpa':>7} {'x flex':>7} {'% peak':>7} {'f+b ms':>8} {'x sdpa':>7} {'% peak':>7}")
+              f"{'x sdpa':>7} {'x flex':>7} {'% peak':>7} {'f+b ms':>8} {'x sdpa':>7} "
+              f"{'% peak':>7}")
     print(header)
     print("-" * len(header))
     for name, mask_mod in patterns(L, 8, L // 8, 512).items():
@@ -89,7 +91,9 @@ def main():
             fwd = time_interleaved(forward, a.min_time, samples=samples)
             peak = peak_after(peak)
         x_sdpa = paired_ratio(samples[1], samples[0])
-        x_flex = f"{paired_ratio(samples[2], samples[0]):6.2f}x" if compiled is not None else "      -"
+        x_flex = "      -"
+        if compiled is not None:
+            x_flex = f"{paired_ratio(samples[2], samples[0]):6.2f}x"
 
         def train(fn):
             return lambda: torch.autograd.grad(fn(), (q, k, v), grad)

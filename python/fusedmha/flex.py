@@ -1,13 +1,14 @@
 """FlexAttention's interface: ``flex_attention`` with a ``BlockMask`` from torch's
 ``create_block_mask``, and the ``score_mod``s fusedmha's kernels compute (``softcap``,
-``alibi``, ``bias``, ``relative_position``), forward and backward on every device fusedmha runs on.
+``alibi``, ``bias``, ``relative_position``), forward and backward on every device fusedmha
+runs on.
 
 A ``BlockMask`` is read as flex_attention reads it: a key block it lists as full is attended
 to whole, a block it lists as partial where its ``mask_mod`` is true, a block it does not list
 not at all. Its partial blocks' ``mask_mod`` is evaluated once per BlockMask, one vectorised
 call over every partial block's index grid, and kept with the BlockMask (training steps reuse
-it); the kernels then read the resulting ``(B, H, L, S)`` boolean mask (docs/flex.md says what
-that costs).
+it); the kernels then read the resulting ``(B or 1, H or 1, L, S)`` boolean mask (docs/flex.md
+says what that costs).
 
 A Python ``score_mod`` cannot run inside a C++ kernel: ``flex_attention`` takes only the ones
 built here, each also a plain callable with ``score_mod``'s signature, so the same object runs
@@ -76,16 +77,17 @@ class bias(_ScoreMod):
             raise ValueError("fusedmha.flex.bias: expected a floating-point tensor of at most "
                              "4 dims, broadcastable to (B, H, L, S)")
         self.tensor = tensor
+        # (Its shape with leading 1s up to (B, H, L, S)'s four dims.)
+        self.shape4 = (1,) * (4 - tensor.dim()) + tuple(tensor.shape)
 
     def __call__(self, score, b, h, q_idx, kv_idx):
-        t = self.tensor.reshape((1,) * (4 - self.tensor.dim()) + tuple(self.tensor.shape))
+        t = self.tensor.reshape(self.shape4)
         idx = [i if n > 1 else torch.zeros_like(i) for i, n in zip((b, h, q_idx, kv_idx), t.shape)]
         return score + t[idx[0], idx[1], idx[2], idx[3]]
 
     def variants(self, query, key, mask):
         B, H, L, S = query.shape[0], query.shape[1], query.shape[2], key.shape[2]
-        shape = (1,) * (4 - self.tensor.dim()) + tuple(self.tensor.shape)
-        if any(n not in (1, m) for n, m in zip(shape, (B, H, L, S))):
+        if any(n not in (1, m) for n, m in zip(self.shape4, (B, H, L, S))):
             raise ValueError(f"fusedmha.flex.bias: tensor of shape {tuple(self.tensor.shape)} "
                              f"does not broadcast to (B, H, L, S) = {(B, H, L, S)}")
         t = self.tensor.to(query.dtype)
@@ -193,17 +195,13 @@ def _block_states_dense(block_mask, B: int, H: int, whole_grid: bool) -> Tensor:
     qi, ki = qi.clamp(max=L - 1).expand(shape), ki.clamp(max=S - 1).expand(shape)
     b, h = b.expand(shape), h.expand(shape)
     allowed = torch.as_tensor(block_mask.mask_mod(b, h, qi, ki), **on).bool().expand(shape)
-    # (A broadcast dim whose every index gave the same bits stays 1.)
-    for dim, x in ((0, bx), (1, hx)):
-        if x is not None and bool((allowed == allowed.narrow(dim, 0, 1)).all()):
-            allowed, inside = allowed.narrow(dim, 0, 1), inside.narrow(dim, 0, 1)
-            qi, ki, b, h = (t.narrow(dim, 0, 1) for t in (qi, ki, b, h))
-            if dim == 0:
-                bx, b = None, torch.zeros_like(b)
-            else:
-                hx, h = None, torch.zeros_like(h)
-    Bo = B if bx is not None else Bm
-    Ho = H if hx is not None else Hm
+    # (A dim of the query's batch or heads whose every index gave the same bits: kept as
+    # its first, index 0.)
+    for dim in (0, 1):
+        if allowed.shape[dim] > 1 and bool((allowed == allowed.narrow(dim, 0, 1)).all()):
+            allowed, inside, qi, ki, b, h = (t.narrow(dim, 0, 1)
+                                            for t in (allowed, inside, qi, ki, b, h))
+    Bo, Ho = max(allowed.shape[0], Bm), max(allowed.shape[1], Hm)
     dense = (blocks == 2).expand(Bo, Ho, nq, nk).repeat_interleave(QB, 2)
     dense = dense.repeat_interleave(KB, 3)[:, :, :L, :S].contiguous()
     dense[b[inside], h[inside], qi[inside], ki[inside]] = allowed[inside]
@@ -216,7 +214,8 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod=None, bl
     """torch.nn.attention.flex_attention.flex_attention for ``(B, H, L, E)`` queries and
     ``(B, H_kv, S, E)`` keys and values: ``block_mask`` a BlockMask of torch's
     ``create_block_mask`` (any BLOCK_SIZE; B and H of 1 broadcast), ``score_mod`` None or one of
-    ``fusedmha.flex.softcap``, ``alibi``, ``bias``, ``relative_position``. Returns the output ``(B, H, L, Ev)`` and, with
+    ``fusedmha.flex.softcap``, ``alibi``, ``bias``, ``relative_position``. Returns the output
+    ``(B, H, L, Ev)`` and, with
     ``return_lse``, the log-sum-exp of each row ``(B, H, L)`` (float32; float64 for float64
     inputs). A row that sees no key gives 0 and an lse of -inf, as flex_attention's does.
     Differentiable with respect to query, key, value and a ``bias`` or ``relative_position``
