@@ -11,6 +11,7 @@ set(FUSEDMHA_SOURCES
   csrc/ops/attention_shapes.cpp
   csrc/ops/attention_params_filler.cpp
   csrc/ops/mask_structure.cpp
+  csrc/ops/mask_tiles.cpp
   csrc/ops/attention_meta.cpp
   csrc/ops/attention_autograd.cpp
   csrc/ops/attention_autocast.cpp

@@ -125,6 +125,13 @@ struct Pages {
   int64_t page_stride_v_scale = 0;
 };
 
+// A mask tile's state: bit 0 set where some key of the tile may be seen,
+// bit 1 where some key is hidden or has a value to add, so that the state
+// of a range of tiles is the OR of theirs (0: an empty range).
+constexpr int64_t kMaskTileRows = 16;
+constexpr int64_t kMaskTileKeys = 64;
+enum MaskTileState : uint8_t { kTileVisible = 1, kTileHidden = 2, kTileMixed = 3 };
+
 // The forward pass; the backward and weights passes read it too (with
 // out and lse then being what the forward wrote).
 struct AttentionParams {
@@ -152,6 +159,12 @@ struct AttentionParams {
   // cache's unused slots) or both, and may hide a band (ops/mask_structure.h).
   const int64_t* key_spans = nullptr;
   int64_t key_spans_group = 1;
+  // What each tile of the mask holds (data null: not known), one
+  // MaskTileState byte per tile of kMaskTileRows queries × kMaskTileKeys
+  // keys, laid out as the mask's tiles (broadcast where it is): the CPU
+  // host's scan sets it (ops/mask_tiles.h) and the kernels skip the tiles
+  // that hide every key and add nothing where a tile hides none.
+  Matrix mask_tiles;
   Sequences seq;
   Pages pages;
 
@@ -314,6 +327,62 @@ FUSEDMHA_HOST_DEVICE int64_t keys_of(const AttentionParams& p, int64_t o) {
   return p.key_spans ? p.key_spans[2 * (o / p.key_spans_group) + 1] : p.len_kv;
 }
 
+// The state of the mask over queries [q0, q0 + rows) × keys [k0, k0 + cols)
+// of outer index o (MaskTileState): mixed where its tiles are not known.
+FUSEDMHA_HOST_DEVICE uint8_t mask_tiles_over(const AttentionParams& p, int64_t o, int64_t q0,
+                                             int64_t rows, int64_t k0, int64_t cols) {
+  if (!p.mask_tiles.data) return kTileMixed;
+  if (rows <= 0 || cols <= 0) return 0;
+  const uint8_t* t = matrix_start<const uint8_t>(p.outer, p.mask_tiles, o);
+  uint8_t state = 0;
+  for (int64_t r = q0 / kMaskTileRows; r <= (q0 + rows - 1) / kMaskTileRows; ++r) {
+    for (int64_t c = k0 / kMaskTileKeys; c <= (k0 + cols - 1) / kMaskTileKeys; ++c) {
+      state |= t[r * p.mask_tiles.row_stride + c];
+    }
+  }
+  return state;
+}
+
+// The keys [begin, end) of tiles that queries [q0, q0 + rows) of outer index
+// o may see, by the mask's tiles ([0, len_kv) where they are not known;
+// begin == end where every tile hides every key).
+struct KeyRange {
+  int64_t begin, end;
+};
+FUSEDMHA_HOST_DEVICE KeyRange mask_tile_keys(const AttentionParams& p, int64_t o, int64_t q0,
+                                             int64_t rows) {
+  if (!p.mask_tiles.data || rows <= 0) return {0, p.len_kv};
+  const int64_t tiles = (p.len_kv + kMaskTileKeys - 1) / kMaskTileKeys;
+  int64_t first = tiles, last = -1;
+  for (int64_t c = 0; c < tiles; ++c) {
+    if (mask_tiles_over(p, o, q0, rows, c * kMaskTileKeys, 1) != kTileHidden) {
+      if (first == tiles) first = c;
+      last = c;
+    }
+  }
+  if (last < 0) return {0, 0};
+  const int64_t end = (last + 1) * kMaskTileKeys;
+  return {first * kMaskTileKeys, end < p.len_kv ? end : p.len_kv};
+}
+
+// The queries [begin, end) of tiles that may see keys [k0, k0 + cols) of
+// outer index o, the same way.
+FUSEDMHA_HOST_DEVICE KeyRange mask_tile_queries(const AttentionParams& p, int64_t o, int64_t k0,
+                                                int64_t cols) {
+  if (!p.mask_tiles.data || cols <= 0) return {0, p.len_q};
+  const int64_t tiles = (p.len_q + kMaskTileRows - 1) / kMaskTileRows;
+  int64_t first = tiles, last = -1;
+  for (int64_t r = 0; r < tiles; ++r) {
+    if (mask_tiles_over(p, o, r * kMaskTileRows, 1, k0, cols) != kTileHidden) {
+      if (first == tiles) first = r;
+      last = r;
+    }
+  }
+  if (last < 0) return {0, 0};
+  const int64_t end = (last + 1) * kMaskTileRows;
+  return {first * kMaskTileRows, end < p.len_q ? end : p.len_q};
+}
+
 // The slope and sink of outer index o (0 and -inf when off).
 FUSEDMHA_HOST_DEVICE double alibi_slope(const AttentionParams& p, int64_t o) {
   return p.alibi_slopes.data ? *matrix_start<const double>(p.outer, p.alibi_slopes, o) : 0.0;
@@ -407,10 +476,13 @@ FUSEDMHA_HOST_DEVICE BackwardParams sequence_of(const BackwardParams& bp, int64_
   return s;
 }
 
-// What only the CPU kernels read: key spans (found by the CPU host's mask
-// scan, ops/mask_structure.h) and dQ split into several copies. The CUDA
-// launchers refuse params that set them (csrc/cuda/attention_cuda.cpp).
-inline bool uses_cpu_only_fields(const AttentionParams& p) { return p.key_spans != nullptr; }
+// What only the CPU kernels read: key spans and mask tiles (found by the
+// CPU host's mask scans, ops/mask_structure.h and ops/mask_tiles.h) and dQ
+// split into several copies. The CUDA launchers refuse params that set them
+// (csrc/cuda/attention_cuda.cpp).
+inline bool uses_cpu_only_fields(const AttentionParams& p) {
+  return p.key_spans != nullptr || p.mask_tiles.data != nullptr;
+}
 inline bool uses_cpu_only_fields(const BackwardParams& bp) {
   return uses_cpu_only_fields(bp.fwd) || bp.grad_q_splits != 1;
 }

@@ -147,12 +147,16 @@ class BackwardKernel {
     std::fill(ws_.dk, ws_.dk + cols * ws_.dqk, acc_t(0));
     std::fill(ws_.dvv, ws_.dvv + cols * ws_.dv, acc_t(0));
 
-    // Only the queries whose band sees these keys (causal, sliding window).
+    // Only the queries whose band sees these keys (causal, sliding window),
+    // and whose mask tiles do not hide them all.
     const int64_t block_q = split_.block_q;
-    const int64_t q_begin = band_query_begin(p_, k0);
-    const int64_t q_end = band_query_end(p_, k0 + cols);
+    const KeyRange seen = mask_tile_queries(p_, o, k0, cols);
+    const int64_t q_begin = std::max(band_query_begin(p_, k0), seen.begin);
+    const int64_t q_end = std::min(band_query_end(p_, k0 + cols), seen.end);
     for (int64_t q0 = q_begin; q0 < q_end; q0 += block_q) {
       const int64_t rows = std::min(block_q, q_end - q0);
+      const uint8_t tiles = mask_tiles_over(p_, o, q0, rows, k0, cols);
+      if (tiles == kTileHidden) continue;  // (its gradients are 0)
       const int64_t bq = round_up(rows, nr);
       int64_t ldq, lddo;
       tiles_.pack_transposed(p_.q, o, q0, rows, bq, E, static_cast<acc_t>(p_.scale), ws_.qt);
@@ -162,7 +166,8 @@ class BackwardKernel {
       load_row_stats(o, q0, rows, bq, dout, lddo);
 
       tiles_.scores(k, ldk, cols, ws_.qt, bq, ws_.pt);
-      tiles_.transform_scores(o, q0, rows, bq, k0, cols, ws_.pt, ws_.mt, ws_.dcap);
+      tiles_.transform_scores(o, q0, rows, bq, k0, cols, ws_.pt, ws_.mt, ws_.dcap,
+                              /*without_mask=*/tiles == kTileVisible);
       probabilities(cols, bq);
       const acc_t* zt = ws_.pt;
       if (p_.dropout.on()) {

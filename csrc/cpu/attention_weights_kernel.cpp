@@ -66,11 +66,14 @@ class WeightsKernel {
     for (int64_t k0 = 0; k0 < p_.len_kv; k0 += split_.block_kv) {
       const int64_t cols = std::min(split_.block_kv, p_.len_kv - k0);
       std::fill(ws_.acc, ws_.acc + cols * bq, acc_t(0));
-      // A key block outside the block's band (causal, sliding window) is 0.
-      const auto [kv_begin, kv_end] = tiles_.key_range(group * heads, q0, rows);
-      const bool visible = k0 < kv_end && k0 + cols > kv_begin;
-      for (int64_t h = 0; visible && h < heads; ++h) {
-        add_head_tile(group * heads + h, q0, rows, bq, k0, cols, head_weight);
+      // A head's key block outside the block's band (causal, sliding window),
+      // or whose mask tiles hide every key, adds 0.
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t o = group * heads + h;
+        const auto [kv_begin, kv_end] = tiles_.key_range(o, q0, rows);
+        const uint8_t tiles = mask_tiles_over(p_, o, q0, rows, k0, cols);
+        if (k0 >= kv_end || k0 + cols <= kv_begin || tiles == kTileHidden) continue;
+        add_head_tile(o, q0, rows, bq, k0, cols, head_weight, tiles == kTileVisible);
       }
       for (int64_t i = 0; i < rows; ++i) {
         scalar_t* dst = out + i * p_.len_kv + k0;
@@ -82,9 +85,10 @@ class WeightsKernel {
  private:
   using Tiles = ScoreTiles<scalar_t, acc_t>;
 
-  // acc += weight · P(o) over the tile (keys k0.., queries q0..).
+  // acc += weight · P(o) over the tile (keys k0.., queries q0..); without_mask: its
+  // mask tiles hide no key.
   void add_head_tile(int64_t o, int64_t q0, int64_t rows, int64_t bq, int64_t k0, int64_t cols,
-                     acc_t weight) {
+                     acc_t weight, bool without_mask) {
     // Q and lse are packed once per (head, query block) when the item has one
     // head; when averaging over heads, once per key block and head (1/block_kv
     // of the score GEMM's work), which keeps the scratch independent of H.
@@ -102,7 +106,7 @@ class WeightsKernel {
     const acc_t* k = tiles_.key_rows_of(Tiles::KeySide::K, o, k0, cols, p_.dim_qk, false, ws_.k,
                                                &ldk);
     tiles_.scores(k, ldk, cols, ws_.qt, bq, ws_.st);
-    tiles_.transform_scores(o, q0, rows, bq, k0, cols, ws_.st, ws_.mt);
+    tiles_.transform_scores(o, q0, rows, bq, k0, cols, ws_.st, ws_.mt, nullptr, without_mask);
     if (p_.dropout.on()) tiles_.dropout_factors(o, q0, rows, bq, k0, cols, ws_.dm);
 
     // exp(s − lse): a masked score (−inf) or a row with nothing to attend

@@ -200,11 +200,6 @@ class ForwardKernel {
       // queries see none and are neither computed nor updated.
       const auto [lane0, lane1] = seeing_lanes(q0, rows, bq, k0, cols);
       const int64_t next = k0 + cols, next_cols = std::min(split_.block_kv, kv_end - next);
-      // The mask's next tile; with spans, the next span's where one starts.
-      int64_t mask_cols = next_cols;
-      if (span) mask_cols = (next - kv_begin) % span == 0 ? std::min(span, kv_end - next) : 0;
-      queue_prefetches(item, o0, q0, rows, next, next_cols, mask_cols,
-                       heads * block_bursts(cols, lane1 - lane0, keys_transposed));
       const uint64_t* block_bits = nullptr;  // (the block's first row's, in ws_.mask_bits)
       if (span) {
         const int64_t at = (k0 - kv_begin) % span;
@@ -213,9 +208,18 @@ class ForwardKernel {
         }
         block_bits = ws_.mask_bits + at / split_.block_kv * bq;
       }
+      // A block whose mask tiles hide every key is skipped (the heads of an
+      // item share the mask, and so its tiles).
+      if (mask_tiles_over(p_, o0, q0, rows, k0, cols) == kTileHidden) continue;
+      // The mask's next tile; with spans, the next span's where one starts.
+      int64_t mask_cols = next_cols;
+      if (span) mask_cols = (next - kv_begin) % span == 0 ? std::min(span, kv_end - next) : 0;
+      queue_prefetches(item, o0, q0, rows, next, next_cols, mask_cols,
+                       heads * block_bursts(cols, lane1 - lane0, keys_transposed));
       if (ws_.terms) {
         // (Panel c's terms at terms + c·bkv: laid out like its scores.)
         for (int64_t c = lane0; c < lane1; c += nr) {
+          if (panel_tiles(o0, q0, rows, c, k0, cols) != kTileMixed) continue;
           tiles_.mask_terms(o0, q0 + c, std::min(nr, rows - c), nr, k0, cols,
                             ws_.terms + c * split_.block_kv, ws_.mt);
         }
@@ -235,6 +239,11 @@ class ForwardKernel {
         // panel after the first.
         for (int64_t c = lane0; c < lane1; c += nr) {
           const int64_t prow = std::min(nr, rows - c);
+          // (A panel whose tiles hide every key is skipped; one whose tiles
+          // hide none takes no mask.)
+          const uint8_t tiles = panel_tiles(o, q0, rows, c, k0, cols);
+          if (tiles == kTileHidden) continue;
+          const bool masked = tiles != kTileVisible;
           const RowState<acc_t> ps{st.m + c, st.l + c, st.alpha + c, st.o + c * ws_.dv};
           const acc_t* qt = head_rows(h, bq) + c * p_.dim_qk;
           PrefetchQueue* pq = &prefetch_;
@@ -245,9 +254,9 @@ class ForwardKernel {
           } else {
             tiles_.scores(k, ldk, cols, qt, nr, ws_.st, pq);
           }
-          const acc_t* terms = ws_.terms ? ws_.terms + c * split_.block_kv : nullptr;
+          const acc_t* terms = ws_.terms && masked ? ws_.terms + c * split_.block_kv : nullptr;
           tiles_.transform_scores(o, q0 + c, prow, nr, k0, cols, ws_.st, ws_.mt, nullptr,
-                                  /*shared_terms=*/terms != nullptr, /*period=*/0,
+                                  /*without_mask=*/terms != nullptr || !masked, /*period=*/0,
                                   block_bits ? MaskBits{block_bits + c, bq} : MaskBits{});
           softmax_step(nr, cols, ps, terms);
           if (k0 != kv_begin) rescale_output(0, prow, ps);  // (the first block's output is 0)
@@ -375,6 +384,13 @@ class ForwardKernel {
     const int64_t first = std::clamp<int64_t>(band_query_begin(p_, k0) - q0, 0, rows - 1);
     const int64_t last = std::clamp<int64_t>(band_query_end(p_, k0 + cols) - q0, first + 1, rows);
     return {first / nr * nr, round_up(last, nr)};
+  }
+
+  // What the mask's tiles hold over panel c of a block (queries q0 + c..,
+  // keys k0..k0+cols) of outer index o: a MaskTileState.
+  uint8_t panel_tiles(int64_t o, int64_t q0, int64_t rows, int64_t c, int64_t k0,
+                      int64_t cols) const {
+    return mask_tiles_over(p_, o, q0 + c, std::min(nr, rows - c), k0, cols);
   }
 
   // The keys any of the heads o0.. of an item can see (the band, and each

@@ -290,8 +290,9 @@ class ScoreTiles : public TileInputs<scalar_t, acc_t> {
   // the band (causal, sliding window), the explicit mask. With softcap and
   // dcap given, dcap first gets each element's d(capped)/d(score) = 1 − tanh²
   // = 1 − (capped / c)², laid out like st (the backward's chain rule). mt is
-  // scratch of w × round_up(cols, w). With shared_terms, the mask is left
-  // out: the caller adds mask_terms' tile (shared by several heads) itself.
+  // scratch of w × round_up(cols, w). With without_mask, the mask is left
+  // out: the tile hides no key (its mask tiles say so), or the caller adds
+  // mask_terms' tile (shared by several heads) itself.
   // A period p > 0 (decoding's merged heads: rows of several heads, p
   // each, that share the rest) takes row i as query q0 + i % p for the band;
   // then there is no ALiBi and no mask. With bits (a per-head bool mask's
@@ -300,7 +301,7 @@ class ScoreTiles : public TileInputs<scalar_t, acc_t> {
   // the caller's bits must be o's rows q0.. over keys k0..k0+cols.
   void transform_scores(int64_t o, int64_t q0, int64_t rows, int64_t bq, int64_t k0,
                         int64_t cols, acc_t* st, acc_t* mt, acc_t* dcap = nullptr,
-                        bool shared_terms = false, int64_t period = 0,
+                        bool without_mask = false, int64_t period = 0,
                         const MaskBits& bits = {}) const {
     if (p_.softcap > 0 && dcap) softcap_derivative(cols * bq, st, dcap);
     if (p_.alibi_slopes.data) apply_alibi(o, q0, bq, k0, cols, st);
@@ -313,7 +314,7 @@ class ScoreTiles : public TileInputs<scalar_t, acc_t> {
     const int64_t last = std::clamp<int64_t>(keys_of(p_, o) - k0, first, cols);
     std::fill(st, st + first * bq, neg_inf<acc_t>());
     std::fill(st + last * bq, st + cols * bq, neg_inf<acc_t>());
-    if (shared_terms) return;
+    if (without_mask) return;
     with_mask_type([&](auto mask) {
       apply_mask<decltype(mask), /*kAdd=*/true>(o, q0, rows, bq, k0, cols, st, mt, bits);
     });
@@ -404,10 +405,12 @@ class ScoreTiles : public TileInputs<scalar_t, acc_t> {
 #endif
 
   // The keys [begin, end) that queries q0..q0+rows of outer index o can see
-  // (the band, and the key padding).
+  // (the band, the key padding, and the mask's tiles that hide every key).
   std::pair<int64_t, int64_t> key_range(int64_t o, int64_t q0, int64_t rows) const {
-    const int64_t end = std::min(band_key_end(p_, q0 + rows), keys_of(p_, o));
-    return {std::min(std::max(band_key_begin(p_, q0), first_key_of(p_, o)), end), end};
+    const KeyRange tiles = mask_tile_keys(p_, o, q0, rows);
+    const int64_t end = std::min({band_key_end(p_, q0 + rows), keys_of(p_, o), tiles.end});
+    const int64_t begin = std::max({band_key_begin(p_, q0), first_key_of(p_, o), tiles.begin});
+    return {std::min(begin, end), end};
   }
 
   // x[j·bq + c] *= dm[j·bq + c] over the tile.

@@ -4,6 +4,7 @@
 #include "ops/attention_shapes.h"
 #include "ops/kv_quantization.h"
 #include "ops/mask_structure.h"
+#include "ops/mask_tiles.h"
 #include "ops/quick_views.h"
 
 #include <ATen/ops/empty.h>
@@ -143,6 +144,7 @@ AttentionCall::AttentionCall(const char* op, const at::Tensor& query, const at::
     const bool per_head = attn_mask->dim() >= 3 && attn_mask->size(-3) > 1;
     p.mask = group_ > 1 && per_head ? describe_packed(*attn_mask) : describe(*attn_mask);
     p.mask_kind = mask_kind_of(*attn_mask, query);
+    use_mask_tiles(*attn_mask);
   }
   if (group_ > 1) p.window_right = -1;  // (one bottom-right query row: it hides nothing)
 }
@@ -273,6 +275,21 @@ bool AttentionCall::use_mask_structure(const at::Tensor& mask) {
   }
   if (s->window_left) p.window_left = *s->window_left;
   return true;
+}
+
+void AttentionCall::use_mask_tiles(const at::Tensor& mask) {
+  AttentionParams& p = inputs_;
+  // Mask tiles are a field of the CPU kernels only (uses_cpu_only_fields);
+  // packed query heads read a mask's rows as rows of other heads.
+  if (!query_.is_cpu() || group_ > 1 || p.num_outer == 0) return;
+  std::optional<MaskTiles> t = find_mask_tiles(mask, p.len_q, p.len_kv);
+  if (!t || !t->any_uniform) return;
+  if (t->all_visible && p.mask_kind == MaskKind::Bool) {
+    p.mask = Matrix{}, p.mask_kind = MaskKind::None;
+    return;
+  }
+  kept_.push_back(t->states);
+  p.mask_tiles = describe(kept_.back());
 }
 
 Matrix AttentionCall::describe_packed(const at::Tensor& t, bool as_column) const {

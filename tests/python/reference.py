@@ -179,6 +179,25 @@ def assert_same_gradients(out, ref, inputs, **tol):
         torch.testing.assert_close(a.to(b.dtype), b, **tol, msg=lambda m: f"gradient {n}: {m}")
 
 
+def check_masked_call(q, k, v, mask, **kw):
+    """The op's forward (output, log-sum-exp), gradients and weights (averaged over the heads)
+    with mask (and the variants kw; dropout_p draws a dropout mask) against the float64
+    reference."""
+    kw = dict(kw)
+    p = kw.pop("dropout_p", 0.0)
+    out, lse, rng = torch.ops.fusedmha.attention_forward(q, k, v, mask, p, False, **kw)
+    keep = kernel_keep_mask(rng, q, k, p) if p > 0 else None
+    ref, ref_lse, probs = reference_variants(q, k, v, mask, keep=keep, dropout_p=p, **kw)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(lse, ref_lse)
+    inputs = [q, k, v] + ([kw["sinks"]] if "sinks" in kw else [])
+    assert_same_gradients(out, ref, inputs)
+    weights = torch.ops.fusedmha.attention_weights(q, k, lse, rng, mask, p, False, None, False,
+                                                   True, **kw)
+    want = probs if keep is None else probs * keep / (1 - p)
+    torch.testing.assert_close(weights, want.mean(-3))
+
+
 def reference_logsumexp(q, k, scale=None):
     """The log-sum-exp of each query's scaled scores in float64 (no mask): the kernels'
     logsumexp output."""

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fusedmha
-from reference import assert_same_gradients, kernel_keep_mask, reference_variants
+from reference import check_masked_call as check, reference_variants
 
 B, H, E = 3, 4, 16
 
@@ -56,24 +56,6 @@ CASES = {
     # (Every row sees a key: see test_lowest_in_rows_that_see_nothing_is_added.)
     "lowest_right_padding": lambda L, S: as_lowest(CASES["causal_right_padding"](L, S)),
 }
-
-
-def check(q, k, v, mask, **kw):
-    """Forward (output, log-sum-exp), weights and gradients of the op with mask against the
-    float64 reference."""
-    kw = dict(kw)
-    p = kw.pop("dropout_p", 0.0)
-    out, lse, rng = torch.ops.fusedmha.attention_forward(q, k, v, mask, p, False, **kw)
-    keep = kernel_keep_mask(rng, q, k, p) if p > 0 else None
-    ref, ref_lse, probs = reference_variants(q, k, v, mask, keep=keep, dropout_p=p, **kw)
-    torch.testing.assert_close(out, ref)
-    torch.testing.assert_close(lse, ref_lse)
-    inputs = [q, k, v] + ([kw["sinks"]] if "sinks" in kw else [])
-    assert_same_gradients(out, ref, inputs)
-    weights = torch.ops.fusedmha.attention_weights(q, k, lse, rng, mask, p, False, None, False,
-                                                   True, **kw)
-    want = probs if keep is None else probs * keep / (1 - p)
-    torch.testing.assert_close(weights, want.mean(-3))
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(softcap=2.0), dict(sinks=True), dict(dropout_p=0.3),
