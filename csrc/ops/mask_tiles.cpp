@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -29,24 +30,48 @@ uint8_t element_state(T x) {
   }
 }
 
-// The state of n elements of a row (stride apart): a bool mask's
-// contiguous row a word of 8 keys at a time (a byte-wise pass over a mask as
-// large as the scores would cost the call a noticeable share of its time).
+// The state of n elements of a row (stride apart): a contiguous row a
+// word of 8 bytes at a time, read element by element only where a word
+// mixes states (element by element, the scan of a float mask as large as
+// the scores cost a call as much as its skipped tiles saved).
 template <typename T>
 uint8_t row_state(const T* row, int64_t stride, int64_t n) {
+  constexpr int64_t kPerWord = sizeof(uint64_t) / sizeof(T);
+  constexpr bool kBool = std::is_same_v<T, uint8_t>;
   uint8_t state = 0;
   int64_t j = 0;
-  if constexpr (std::is_same_v<T, uint8_t>) {
-    if (stride == 1) {
-      constexpr uint64_t kOnes = 0x0101010101010101ull, kHighs = 0x8080808080808080ull;
-      uint64_t any = 0, zero_byte = 0;
-      for (; j + 8 <= n; j += 8) {
-        uint64_t w;
-        std::memcpy(&w, row + j, sizeof(w));
-        any |= w;
-        zero_byte |= (w - kOnes) & ~w & kHighs;  // (a high bit where a byte is 0)
+  if (stride == 1) {
+    uint64_t hidden = 0;  // (a word of −inf; a bool's hidden word is 0)
+    if constexpr (!kBool) {
+      const T neg_inf(-std::numeric_limits<float>::infinity());
+      for (int64_t e = 0; e < kPerWord; ++e) {
+        std::memcpy(reinterpret_cast<char*>(&hidden) + e * sizeof(T), &neg_inf, sizeof(T));
       }
-      state = static_cast<uint8_t>((any ? kTileVisible : 0) | (zero_byte ? kTileHidden : 0));
+    }
+    if constexpr (!kBool) {  // (8 words at a time while all are 0 or all −inf: vectorized)
+      constexpr int64_t kPerLine = 8 * kPerWord;
+      for (; j + kPerLine <= n; j += kPerLine) {
+        uint64_t line[8], seen = 0, unhidden = 0;
+        std::memcpy(line, row + j, sizeof(line));
+        for (int k = 0; k < 8; ++k) seen |= line[k], unhidden |= line[k] ^ hidden;
+        if (seen != 0 && unhidden != 0) break;
+        state |= seen == 0 ? kTileVisible : kTileHidden;
+      }
+    }
+    for (; j + kPerWord <= n && state != kTileMixed; j += kPerWord) {
+      uint64_t w;
+      std::memcpy(&w, row + j, sizeof(w));
+      if constexpr (kBool) {
+        constexpr uint64_t kOnes = 0x0101010101010101ull, kHighs = 0x8080808080808080ull;
+        const bool zero_byte = ((w - kOnes) & ~w & kHighs) != 0;
+        state |= (w != 0 ? kTileVisible : 0) | (zero_byte ? kTileHidden : 0);
+      } else if (w == 0) {
+        state |= kTileVisible;
+      } else if (w == hidden) {
+        state |= kTileHidden;
+      } else {
+        for (int64_t e = 0; e < kPerWord; ++e) state |= element_state(row[j + e]);
+      }
     }
   }
   for (; j < n && state != kTileMixed; ++j) state |= element_state(row[j * stride]);
