@@ -7,8 +7,8 @@ A ``BlockMask`` is read as flex_attention reads it: a key block it lists as full
 to whole, a block it lists as partial where its ``mask_mod`` is true, a block it does not list
 not at all. Its partial blocks' ``mask_mod`` is evaluated once per BlockMask, one vectorised
 call over every partial block's index grid, and kept with the BlockMask (training steps reuse
-it); the kernels then read the resulting ``(B or 1, H or 1, L, S)`` boolean mask (docs/flex.md
-says what that costs).
+it); the kernels then read the resulting ``(B or 1, H or 1, L, S)`` boolean mask tile by tile,
+skipping the tiles it hides whole (docs/flex.md says what that costs).
 
 A Python ``score_mod`` cannot run inside a C++ kernel: ``flex_attention`` takes only the ones
 built here, each also a plain callable with ``score_mod``'s signature, so the same object runs
