@@ -72,8 +72,8 @@ int batch_sharing_mask(const AttentionParams& p, const WorkSplit& split) {
 AttentionParams with_outer_dim_last(AttentionParams p, int d) {
   auto rotate = [&](auto& a) { std::rotate(a + d, a + d + 1, a + p.outer.dims); };
   rotate(p.outer.size);
-  for (Matrix* m : {&p.q, &p.k, &p.v, &p.k_scale, &p.v_scale, &p.mask, &p.alibi_slopes, &p.sinks,
-                    &p.out, &p.lse}) {
+  for (Matrix* m : {&p.q, &p.k, &p.v, &p.k_scale, &p.v_scale, &p.mask, &p.mask_tiles,
+                    &p.alibi_slopes, &p.sinks, &p.out, &p.lse}) {
     rotate(m->outer_stride);
     rotate(m->divisor);
   }

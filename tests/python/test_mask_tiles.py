@@ -86,6 +86,23 @@ def test_tiled_masks_in_float32(name, threads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("shape", [(1, H), (H,)])
+def test_per_head_tiles_the_batch_shares(shape, threads):
+    """A per-head mask the batch shares, at a size where the forward takes the batch indices of
+    a head in one item (the outer dims reordered, the mask's tiles with them)."""
+    L = S = 400
+    q, k, v = (torch.randn(4, H, n, E, dtype=torch.float64) for n in (L, S, S))
+    mask = blocks(shape, L, S, 48, 64, 5)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = fusedmha.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out, reference_variants(q, k, v, mask)[0])
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_float_mask_with_hidden_tiles_and_its_gradient(dtype):
     """A float mask of -inf tiles beside tiles of 0 and tiles of other values (a bias inside a
