@@ -124,6 +124,22 @@ class relative_position(_ScoreMod):
         return bias(self.table[:, distance.clamp(-R, R) + R]).variants(query, key, mask)
 
 
+def _block_mask_for(block_mask, query: Tensor, key: Tensor, caller: str) -> Tensor:
+    """The bool mask block_mask stands for over (B, H, L, S) query (B, H, L, E) and key
+    (B, H_kv, S, E) (_block_mask_dense); a BlockMask that does not fit them is refused, the
+    message naming `caller`."""
+    L, S = query.shape[2], key.shape[2]
+    if tuple(block_mask.seq_lengths) != (L, S):
+        raise ValueError(f"{caller}: block_mask is for (L, S) = {tuple(block_mask.seq_lengths)}, "
+                         f"the inputs have ({L}, {S})")
+    Bm, Hm = block_mask.kv_num_blocks.shape[:2]
+    B, H = query.shape[0], query.shape[1]
+    if Bm not in (1, B) or Hm not in (1, H):
+        raise ValueError(f"{caller}: block_mask is for (B, H) = ({Bm}, {Hm}), the query has "
+                         f"({B}, {H}): expected 1 or the query's, each")
+    return _block_mask_dense(block_mask, B, H, query.device)
+
+
 def _block_mask_dense(block_mask, B: int, H: int, device) -> Tensor:
     """The (B or 1, H or 1, L, S) bool mask a BlockMask stands for over B batches and H heads,
     evaluated once and kept on the BlockMask, keyed by what it was computed from (the mask_mod,
@@ -239,18 +255,9 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod=None, bl
     if query.shape[1] != key.shape[1] and not enable_gqa:
         raise ValueError(f"fusedmha.flex_attention: query has {query.shape[1]} heads and key "
                          f"{key.shape[1]}: pass enable_gqa=True for grouped-query attention")
-    L, S = query.shape[2], key.shape[2]
     mask = None
     if block_mask is not None:
-        if tuple(block_mask.seq_lengths) != (L, S):
-            raise ValueError(f"fusedmha.flex_attention: block_mask is for (L, S) = "
-                             f"{tuple(block_mask.seq_lengths)}, the inputs have ({L}, {S})")
-        Bm, Hm = block_mask.kv_num_blocks.shape[:2]
-        B, H = query.shape[0], query.shape[1]
-        if Bm not in (1, B) or Hm not in (1, H):
-            raise ValueError(f"fusedmha.flex_attention: block_mask is for (B, H) = ({Bm}, {Hm}), "
-                             f"the query has ({B}, {H}): expected 1 or the query's, each")
-        mask = _block_mask_dense(block_mask, B, H, query.device)
+        mask = _block_mask_for(block_mask, query, key, "fusedmha.flex_attention")
     variants = {}
     if score_mod is not None:
         variants, mask = score_mod.variants(query, key, mask)

@@ -72,6 +72,29 @@ def test_llama_logits_match_sdpa(padded):
     torch.testing.assert_close(a * valid, b * valid, atol=2e-5, rtol=1e-5)
 
 
+def test_llama_takes_a_block_mask():
+    """A BlockMask passed as the model's attention_mask (documents packed in each row,
+    causal within each; per batch index) gives sdpa's logits and gradients with the same mask
+    as a 4-D bool tensor."""
+    from torch.nn.attention.flex_attention import create_block_mask, create_mask
+    ids, _ = llama_batch()
+    doc = torch.tensor([[0] * 8 + [1] * 12, [0] * 15 + [1] * 5, [0] * 20])
+
+    def documents(b, h, q, kv):
+        return (doc[b, q] == doc[b, kv]) & (q >= kv)
+
+    block_mask = create_block_mask(documents, 3, None, 20, 20, device="cpu", BLOCK_SIZE=8)
+    dense = create_mask(documents, 3, 1, 20, 20, device="cpu")
+    ours, theirs = tiny_llama("fusedmha"), tiny_llama("sdpa")
+    a = ours(ids, attention_mask=block_mask).logits
+    b = theirs(ids, attention_mask=dense).logits
+    torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+    a.square().mean().backward()
+    b.square().mean().backward()
+    for p, q in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=2e-5, rtol=1e-4)
+
+
 def test_llama_training_losses_match_sdpa():
     ids, mask = llama_batch()
     losses = {}

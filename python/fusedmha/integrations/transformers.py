@@ -17,15 +17,20 @@ attend within each sequence and spend no work across them.
 An argument that would change the result and that fusedmha cannot honour raises an error.
 Generation can keep its cache quantized: ``cache=QuantizedKVCache(dtype=torch.int8)``
 (fusedmha.integrations.transformers_cache), whose codes this attention reads in place.
+A FlexAttention ``BlockMask`` passed as the model's ``attention_mask`` (transformers hands
+4-D masks to the attention as given) is read as fusedmha.flex_attention reads it: the bool mask
+it stands for, kept with the BlockMask, whose hidden tiles the CPU kernels skip.
 """
 
 from typing import Optional, Tuple
 
 import torch
 from transformers import AttentionInterface
+from torch.nn.attention.flex_attention import BlockMask
 from transformers.masking_utils import AttentionMaskInterface, prepare_padding_mask, sdpa_mask
 
 import fusedmha
+from fusedmha.flex import _block_mask_for
 from fusedmha.integrations.transformers_cache import QuantizedKVCache, QuantizedRows, attend_quantized
 
 NAME = "fusedmha"
@@ -90,6 +95,8 @@ def fusedmha_attention_forward(
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     variants = dict(softcap=float(softcap or 0.0), sinks=_per_head_sinks(s_aux, kwargs, query))
+    if isinstance(attention_mask, BlockMask):
+        attention_mask = _block_mask_for(attention_mask, query, key, "fusedmha attention")
     if isinstance(key, QuantizedRows):
         if kwargs.get("position_bias") is not None:
             raise ValueError("fusedmha QuantizedKVCache does not take position_bias")
