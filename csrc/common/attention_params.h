@@ -343,44 +343,30 @@ FUSEDMHA_HOST_DEVICE uint8_t mask_tiles_over(const AttentionParams& p, int64_t o
   return state;
 }
 
-// The keys [begin, end) of tiles that queries [q0, q0 + rows) of outer index
-// o may see, by the mask's tiles ([0, len_kv) where they are not known;
-// begin == end where every tile hides every key).
-struct KeyRange {
+// The whole tiles [begin, end) along one side whose mask tiles do not hide
+// every key: along the keys, those that queries [from, from + count) of
+// outer index o may see; along the queries, those that may see keys [from,
+// from + count). The side's whole length where the tiles are not known;
+// begin == end where every tile hides every key.
+struct TileSpan {
   int64_t begin, end;
 };
-FUSEDMHA_HOST_DEVICE KeyRange mask_tile_keys(const AttentionParams& p, int64_t o, int64_t q0,
-                                             int64_t rows) {
-  if (!p.mask_tiles.data || rows <= 0) return {0, p.len_kv};
-  const int64_t tiles = (p.len_kv + kMaskTileKeys - 1) / kMaskTileKeys;
+FUSEDMHA_HOST_DEVICE TileSpan visible_tiles(const AttentionParams& p, int64_t o, bool along_keys,
+                                            int64_t from, int64_t count) {
+  const int64_t len = along_keys ? p.len_kv : p.len_q;
+  if (!p.mask_tiles.data || count <= 0) return {0, len};
+  const int64_t size = along_keys ? kMaskTileKeys : kMaskTileRows, tiles = (len + size - 1) / size;
   int64_t first = tiles, last = -1;
-  for (int64_t c = 0; c < tiles; ++c) {
-    if (mask_tiles_over(p, o, q0, rows, c * kMaskTileKeys, 1) != kTileHidden) {
-      if (first == tiles) first = c;
-      last = c;
-    }
+  for (int64_t t = 0; t < tiles; ++t) {
+    const uint8_t state = along_keys ? mask_tiles_over(p, o, from, count, t * size, 1)
+                                     : mask_tiles_over(p, o, t * size, 1, from, count);
+    if (state == kTileHidden) continue;
+    if (first == tiles) first = t;
+    last = t;
   }
   if (last < 0) return {0, 0};
-  const int64_t end = (last + 1) * kMaskTileKeys;
-  return {first * kMaskTileKeys, end < p.len_kv ? end : p.len_kv};
-}
-
-// The queries [begin, end) of tiles that may see keys [k0, k0 + cols) of
-// outer index o, the same way.
-FUSEDMHA_HOST_DEVICE KeyRange mask_tile_queries(const AttentionParams& p, int64_t o, int64_t k0,
-                                                int64_t cols) {
-  if (!p.mask_tiles.data || cols <= 0) return {0, p.len_q};
-  const int64_t tiles = (p.len_q + kMaskTileRows - 1) / kMaskTileRows;
-  int64_t first = tiles, last = -1;
-  for (int64_t r = 0; r < tiles; ++r) {
-    if (mask_tiles_over(p, o, r * kMaskTileRows, 1, k0, cols) != kTileHidden) {
-      if (first == tiles) first = r;
-      last = r;
-    }
-  }
-  if (last < 0) return {0, 0};
-  const int64_t end = (last + 1) * kMaskTileRows;
-  return {first * kMaskTileRows, end < p.len_q ? end : p.len_q};
+  const int64_t end = (last + 1) * size;
+  return {first * size, end < len ? end : len};
 }
 
 // The slope and sink of outer index o (0 and -inf when off).

@@ -150,7 +150,7 @@ class BackwardKernel {
     // Only the queries whose band sees these keys (causal, sliding window),
     // and whose mask tiles do not hide them all.
     const int64_t block_q = split_.block_q;
-    const KeyRange seen = mask_tile_queries(p_, o, k0, cols);
+    const TileSpan seen = visible_tiles(p_, o, /*along_keys=*/false, k0, cols);
     const int64_t q_begin = std::max(band_query_begin(p_, k0), seen.begin);
     const int64_t q_end = std::min(band_query_end(p_, k0 + cols), seen.end);
     for (int64_t q0 = q_begin; q0 < q_end; q0 += block_q) {

@@ -407,7 +407,7 @@ class ScoreTiles : public TileInputs<scalar_t, acc_t> {
   // The keys [begin, end) that queries q0..q0+rows of outer index o can see
   // (the band, the key padding, and the mask's tiles that hide every key).
   std::pair<int64_t, int64_t> key_range(int64_t o, int64_t q0, int64_t rows) const {
-    const KeyRange tiles = mask_tile_keys(p_, o, q0, rows);
+    const TileSpan tiles = visible_tiles(p_, o, /*along_keys=*/true, q0, rows);
     const int64_t end = std::min({band_key_end(p_, q0 + rows), keys_of(p_, o), tiles.end});
     const int64_t begin = std::max({band_key_begin(p_, q0), first_key_of(p_, o), tiles.begin});
     return {std::min(begin, end), end};
