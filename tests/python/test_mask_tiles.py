@@ -51,19 +51,22 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(dropout_p=0.3), dict(softcap=2.0),
-                                dict(sinks=True), dict(is_causal_band=True)])
+# The call's variants beside the mask (made per test: sinks are a leaf of their own).
+VARIANTS = {
+    "plain": lambda: {},
+    "dropout": lambda: dict(dropout_p=0.3),
+    "softcap": lambda: dict(softcap=2.0),
+    "sinks": lambda: dict(sinks=torch.randn(H, dtype=torch.float64, requires_grad=True)),
+    "window": lambda: dict(window_left=90, window_right=0, bottom_right=True),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("L, S", [(200, 200), (150, 300)])
 @pytest.mark.parametrize("name", list(CASES))
-def test_tiled_masks_match_float64(name, L, S, kw):
+def test_tiled_masks_match_float64(name, L, S, variant):
     q, k, v = (torch.randn(B, H, n, E, dtype=torch.float64, requires_grad=True) for n in (L, S, S))
-    mask = CASES[name](L, S)
-    kw = dict(kw)
-    if kw.pop("sinks", False):
-        kw["sinks"] = torch.randn(H, dtype=torch.float64, requires_grad=True)
-    if kw.pop("is_causal_band", False):  # (a window of the call's own beside the mask)
-        kw.update(window_left=90, window_right=0, bottom_right=True)
-    check_masked_call(q, k, v, mask, **kw)
+    check_masked_call(q, k, v, CASES[name](L, S), **VARIANTS[variant]())
 
 
 @pytest.mark.parametrize("threads", [1, 3])
