@@ -47,10 +47,9 @@ uint8_t row_state(const T* row, int64_t stride, int64_t n) {
       for (int64_t e = 0; e < kPerWord; ++e) {
         std::memcpy(reinterpret_cast<char*>(&hidden) + e * sizeof(T), &neg_inf, sizeof(T));
       }
-    }
-    if constexpr (!kBool) {  // (8 words at a time while all are 0 or all −inf: vectorized)
+      // 8 words at a time while all are 0 or all −inf (vectorized).
       constexpr int64_t kPerLine = 8 * kPerWord;
-      for (; j + kPerLine <= n; j += kPerLine) {
+      for (; j + kPerLine <= n && state != kTileMixed; j += kPerLine) {
         uint64_t line[8], seen = 0, unhidden = 0;
         std::memcpy(line, row + j, sizeof(line));
         for (int k = 0; k < 8; ++k) seen |= line[k], unhidden |= line[k] ^ hidden;
