@@ -6,6 +6,8 @@ set(FUSEDMHA_SOURCES
   csrc/ops/merge_attention.cpp
   csrc/ops/kvcache_attention.cpp
   csrc/ops/kv_quantization.cpp
+  csrc/ops/block_mask.cpp
+  csrc/ops/flex_attention.cpp
   csrc/ops/tensor_overlap.cpp
   csrc/ops/attention_checks.cpp
   csrc/ops/attention_shapes.cpp

@@ -117,6 +117,15 @@ TORCH_LIBRARY(fusedmha, m) {
   // back, codes · scale in dtype.
   m.def("quantize_kv(Tensor x, ScalarType dtype) -> (Tensor codes, Tensor scale)");
   m.def("dequantize_kv(Tensor codes, Tensor scale, ScalarType dtype=float) -> Tensor");
+  // The bool mask (B, H, L, S) a FlexAttention block mask stands for
+  // (csrc/ops/block_mask.cpp): per (batch, head, query block), the key
+  // blocks kv_indices[..., :kv_num_blocks] attended to where partial_bits
+  // (the listed blocks' (QB, KB) bits, in list order) are true, and
+  // full_kv_indices[..., :full_kv_num_blocks] attended to whole.
+  m.def(
+      "block_mask_dense(Tensor kv_num_blocks, Tensor kv_indices, Tensor partial_bits, "
+      "int[2] block_size, int[2] seq_lengths, Tensor? full_kv_num_blocks=None, "
+      "Tensor? full_kv_indices=None) -> Tensor");
   // torch.nn.functional.scaled_dot_product_attention's signature; a
   // composite of attention_forward (csrc/ops/attention.cpp).
   m.def(

@@ -164,8 +164,9 @@ def _block_mask_dense(block_mask, B: int, H: int, device) -> Tensor:
 
 def _block_states_dense(block_mask, B: int, H: int, whole_grid: bool) -> Tensor:
     """The BlockMask's dense mask over B batches and H heads: full blocks true, partial ones
-    where mask_mod holds (evaluated over the partial blocks only, or with whole_grid over every
-    index), the rest false. A BlockMask of batch or heads 1 lists its blocks for every batch
+    where mask_mod holds (evaluated over the partial blocks only, their bits then placed by the
+    op block_mask_dense, which C++'s BlockMask shares; or with whole_grid over every index),
+    the rest false. A BlockMask of batch or heads 1 lists its blocks for every batch
     index or head, and mask_mod is called with each one's own b and h, as flex_attention calls
     it; the result keeps a dim of 1 where every index gave the same mask (a mask_mod that does
     not read b or h), so that the kernels read one (L, S) mask then."""
@@ -175,53 +176,53 @@ def _block_states_dense(block_mask, B: int, H: int, whole_grid: bool) -> Tensor:
     Bm, Hm, nq = kv_num.shape
     nk = -(-S // KB)
     on = dict(device=kv_num.device)
-    # Each block's state: 0 not listed, 1 partial, 2 full (column nk: where unlisted
-    # entries of the index lists go).
-    blocks = torch.zeros(Bm, Hm, nq, nk + 1, dtype=torch.uint8, **on)
-
-    def mark(num, indices, value):
-        listed = torch.arange(indices.shape[-1], **on) < num.unsqueeze(-1)
-        target = torch.where(listed, indices.long().clamp(0, nk - 1), nk)
-        blocks.scatter_(3, target, torch.full_like(target, value, dtype=torch.uint8))
-
-    mark(kv_num, block_mask.kv_indices, 1)
-    if block_mask.full_kv_num_blocks is not None:
-        mark(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, 2)
-    blocks = blocks[..., :nk]
     if whole_grid:
-        state = blocks.repeat_interleave(QB, 2).repeat_interleave(KB, 3)[:, :, :L, :S]
+        # Each block's state: 0 not listed, 1 partial, 2 full (column nk: where unlisted
+        # entries of the index lists go).
+        blocks = torch.zeros(Bm, Hm, nq, nk + 1, dtype=torch.uint8, **on)
+
+        def mark(num, indices, value):
+            listed = torch.arange(indices.shape[-1], **on) < num.unsqueeze(-1)
+            target = torch.where(listed, indices.long().clamp(0, nk - 1), nk)
+            blocks.scatter_(3, target, torch.full_like(target, value, dtype=torch.uint8))
+
+        mark(kv_num, block_mask.kv_indices, 1)
+        if block_mask.full_kv_num_blocks is not None:
+            mark(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, 2)
+        state = blocks[..., :nk].repeat_interleave(QB, 2).repeat_interleave(KB, 3)[:, :, :L, :S]
         allowed = block_mask.mask_mod(torch.arange(B, **on).view(-1, 1, 1, 1),
                                       torch.arange(H, **on).view(1, -1, 1, 1),
                                       torch.arange(L, **on).view(1, 1, -1, 1),
                                       torch.arange(S, **on).view(1, 1, 1, -1))
         return (state == 2) | ((state == 1) & allowed)
-    partial = (blocks == 1).nonzero()  # (count, 4): bm, hm, qb, kb
-    # One mask_mod call over the index grids of all partial blocks, (Bx, Hx, count, QB, KB):
+    # The listed partial blocks in list order, (count, 4): bm, hm, qb, position; and each one's
+    # key block.
+    K = block_mask.kv_indices.shape[-1]
+    entries = (torch.arange(K, **on) < kv_num.unsqueeze(-1)).nonzero()
+    kb = block_mask.kv_indices[entries.unbind(1)].long()
+    # One mask_mod call over the index grids of all of them, (Bx, Hx, count, QB, KB):
     # Bx = B where the BlockMask's batch is 1 (each b of the query), else 1 (the listed b);
-    # the same for heads. Indices past L or S (a last, shorter block) clamped for the call,
-    # dropped after.
+    # the same for heads. Indices past L or S (a last, shorter block) clamped for the call;
+    # block_mask_dense drops them.
     bx = torch.arange(B, **on) if Bm == 1 and B > 1 else None
     hx = torch.arange(H, **on) if Hm == 1 and H > 1 else None
-    b = (bx.view(-1, 1, 1, 1, 1) if bx is not None else partial[:, 0].view(1, 1, -1, 1, 1))
-    h = (hx.view(1, -1, 1, 1, 1) if hx is not None else partial[:, 1].view(1, 1, -1, 1, 1))
-    qi = partial[:, 2].view(1, 1, -1, 1, 1) * QB + torch.arange(QB, **on).view(1, 1, 1, -1, 1)
-    ki = partial[:, 3].view(1, 1, -1, 1, 1) * KB + torch.arange(KB, **on).view(1, 1, 1, 1, -1)
-    shape = (B if bx is not None else 1, H if hx is not None else 1, partial.shape[0], QB, KB)
-    inside = ((qi < L) & (ki < S)).expand(shape)
-    qi, ki = qi.clamp(max=L - 1).expand(shape), ki.clamp(max=S - 1).expand(shape)
-    b, h = b.expand(shape), h.expand(shape)
-    allowed = torch.as_tensor(block_mask.mask_mod(b, h, qi, ki), **on).bool().expand(shape)
+    b = (bx.view(-1, 1, 1, 1, 1) if bx is not None else entries[:, 0].view(1, 1, -1, 1, 1))
+    h = (hx.view(1, -1, 1, 1, 1) if hx is not None else entries[:, 1].view(1, 1, -1, 1, 1))
+    qi = entries[:, 2].view(1, 1, -1, 1, 1) * QB + torch.arange(QB, **on).view(1, 1, 1, -1, 1)
+    ki = kb.view(1, 1, -1, 1, 1) * KB + torch.arange(KB, **on).view(1, 1, 1, 1, -1)
+    shape = (B if bx is not None else 1, H if hx is not None else 1, entries.shape[0], QB, KB)
+    allowed = torch.as_tensor(block_mask.mask_mod(b.expand(shape), h.expand(shape),
+                                                  qi.clamp(max=L - 1).expand(shape),
+                                                  ki.clamp(max=S - 1).expand(shape)),
+                              **on).bool().expand(shape)
     # (A dim of the query's batch or heads whose every index gave the same bits: kept as
     # its first, index 0.)
     for dim in (0, 1):
         if allowed.shape[dim] > 1 and bool((allowed == allowed.narrow(dim, 0, 1)).all()):
-            allowed, inside, qi, ki, b, h = (t.narrow(dim, 0, 1)
-                                            for t in (allowed, inside, qi, ki, b, h))
-    Bo, Ho = max(allowed.shape[0], Bm), max(allowed.shape[1], Hm)
-    dense = (blocks == 2).expand(Bo, Ho, nq, nk).repeat_interleave(QB, 2)
-    dense = dense.repeat_interleave(KB, 3)[:, :, :L, :S].contiguous()
-    dense[b[inside], h[inside], qi[inside], ki[inside]] = allowed[inside]
-    return dense
+            allowed = allowed.narrow(dim, 0, 1)
+    return torch.ops.fusedmha.block_mask_dense(
+        kv_num, block_mask.kv_indices, allowed.contiguous(), [QB, KB], [L, S],
+        block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
 
 
 def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod=None, block_mask=None,

@@ -303,3 +303,41 @@ def test_compile_fullgraph():
     ref = torch.autograd.grad(step(q, k, v, bm), (q, k, v, table))
     for a, b in zip(grads, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_block_mask_dense_op():
+    """The op that places a block mask's bits (C++'s BlockMask::dense, and flex_attention's
+    partial blocks): bits in list order whatever order the blocks are listed in, a block
+    listed as partial and full is full, bits of their own per batch index over lists of 1,
+    and its errors."""
+    op = torch.ops.fusedmha.block_mask_dense
+    num = torch.tensor([2, 1], dtype=torch.int32).view(1, 1, 2)
+    idx = torch.tensor([2, 0, 1, 0], dtype=torch.int32).view(1, 1, 2, 2)
+    full_num = torch.tensor([0, 2], dtype=torch.int32).view(1, 1, 2)
+    full_idx = torch.tensor([0, 0, 1, 2], dtype=torch.int32).view(1, 1, 2, 2)
+    bits = torch.tensor([1, 0, 0, 0, 0, 1, 1, 1, 0, 0, 0, 0], dtype=torch.bool).view(3, 2, 2)
+    want = torch.tensor([[0, 1, 0, 0, 1, 0], [1, 1, 0, 0, 0, 0],
+                         [0, 0, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]], dtype=torch.bool)
+    # (Lengths 3 x 5: the blocks' elements past them are dropped.)
+    assert torch.equal(op(num, idx, bits, [2, 2], [4, 6], full_num, full_idx)[0, 0], want)
+    assert torch.equal(op(num, idx, bits, [2, 2], [3, 5], full_num, full_idx)[0, 0],
+                       want[:3, :5])
+    # Bits of their own for each of 2 batch indices, over lists of batch 1.
+    per_batch = torch.stack([bits, ~bits]).unsqueeze(1)  # (2, 1, 3, 2, 2)
+    both = op(num, idx, per_batch, [2, 2], [4, 6])
+    assert both.shape == (2, 1, 4, 6)
+    assert torch.equal(both[0, 0], op(num, idx, bits, [2, 2], [4, 6])[0, 0])
+    assert torch.equal(both[1, 0], op(num, idx, ~bits, [2, 2], [4, 6])[0, 0])
+    with pytest.raises(RuntimeError, match=r"lists key blocks outside \[0, 3\)"):
+        op(num, idx.clone().fill_(3), bits, [2, 2], [4, 6])
+    with pytest.raises(RuntimeError, match=r"expected partial_bits bool \(3, 2, 2\)"):
+        op(num, idx, bits[:2], [2, 2], [4, 6])
+    with pytest.raises(RuntimeError, match=r"expected kv_num_blocks to have 3 query blocks"):
+        op(num, idx, bits, [2, 2], [6, 6])
+    with pytest.raises(RuntimeError, match=r"expected kv_num_blocks in \[0, 2\]"):
+        op(num.clone().fill_(3), idx, bits, [2, 2], [4, 6])
+    with pytest.raises(RuntimeError, match="both or neither"):
+        op(num, idx, bits, [2, 2], [4, 6], full_num)
+    with pytest.raises(RuntimeError, match="bits of their own per index need lists of 1"):
+        op(num.expand(2, 1, 2), idx.expand(2, 1, 2, 2), per_batch.repeat(1, 1, 2, 1, 1),
+           [2, 2], [4, 6])
