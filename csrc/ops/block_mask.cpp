@@ -9,6 +9,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <mutex>
 #include <vector>
 
 namespace fusedmha {
@@ -155,30 +156,43 @@ at::Tensor block_mask_dense(const at::Tensor& kv_num_blocks, const at::Tensor& k
                  full_kv_num_blocks, full_kv_indices);
 }
 
-// What the kept dense mask was computed from: the tensors (by storage and
-// version, so that a replaced or changed-in-place tensor is seen) and the
-// sizes.
+// What the kept dense mask was computed from: the tensors themselves (held,
+// so that another tensor cannot take a dropped one's place) and their
+// versions (so that a change in place is seen), and the sizes. Copies of a
+// BlockMask share it, from any thread.
 struct BlockMask::DenseCache {
+  std::mutex lock;
+  std::vector<at::Tensor> tensors;
   std::vector<int64_t> key;
   at::Tensor dense;
 };
 
+BlockMask::BlockMask() : dense_cache_(std::make_shared<DenseCache>()) {}
+
 at::Tensor BlockMask::dense() const {
+  TORCH_CHECK(kv_num_blocks.defined() && kv_indices.defined() && partial_bits.defined(),
+              "fusedmha::BlockMask: kv_num_blocks, kv_indices and partial_bits must be set (no "
+              "partial blocks: kv_num_blocks of zeros and partial_bits of shape (0, QB, KB))");
+  std::vector<at::Tensor> tensors{kv_num_blocks, kv_indices, partial_bits,
+                                  full_kv_num_blocks.value_or(at::Tensor()),
+                                  full_kv_indices.value_or(at::Tensor())};
   std::vector<int64_t> key{q_length, kv_length, q_block_size, kv_block_size};
-  for (const at::Tensor* t : {&kv_num_blocks, &kv_indices, &partial_bits,
-                              full_kv_num_blocks ? &*full_kv_num_blocks : nullptr,
-                              full_kv_indices ? &*full_kv_indices : nullptr}) {
-    key.push_back(t && t->defined() ? reinterpret_cast<intptr_t>(t->unsafeGetTensorImpl()) : 0);
-    key.push_back(t && t->defined() ? static_cast<int64_t>(t->_version()) : -1);
+  // (An inference tensor has no version counter: only its replacement is seen.)
+  for (const at::Tensor& t : tensors) {
+    key.push_back(!t.defined() || t.is_inference() ? -1 : static_cast<int64_t>(t._version()));
   }
-  if (!dense_cache_) dense_cache_ = std::make_shared<DenseCache>();
-  if (dense_cache_->key != key || !dense_cache_->dense.defined()) {
-    dense_cache_->dense =
-        block_mask_dense(kv_num_blocks, kv_indices, partial_bits, {q_block_size, kv_block_size},
-                         {q_length, kv_length}, full_kv_num_blocks, full_kv_indices);
-    dense_cache_->key = std::move(key);
+  std::lock_guard<std::mutex> guard(dense_cache_->lock);
+  DenseCache& c = *dense_cache_;
+  bool same = c.dense.defined() && c.key == key;
+  for (size_t i = 0; same && i < tensors.size(); ++i) same = c.tensors[i].is_same(tensors[i]);
+  if (!same) {
+    c.dense = block_mask_dense(kv_num_blocks, kv_indices, partial_bits,
+                               {q_block_size, kv_block_size}, {q_length, kv_length},
+                               full_kv_num_blocks, full_kv_indices);
+    c.tensors = std::move(tensors);
+    c.key = std::move(key);
   }
-  return dense_cache_->dense;
+  return c.dense;
 }
 
 BlockMask create_block_mask(const MaskMod& mask_mod, int64_t B, int64_t H, int64_t q_length,
@@ -197,7 +211,8 @@ BlockMask create_block_mask(const MaskMod& mask_mod, int64_t B, int64_t H, int64
   // Keys padded to whole blocks. A block is full when every element inside
   // the lengths is true (a last, shorter block too), partial when some is.
   const at::Tensor kv = at::arange(nk * KB, longs).view({1, 1, 1, -1});
-  // A band of query blocks at a time: about 2^24 mask elements.
+  // A band of query blocks at a time: about 2^24 mask elements, or one query
+  // block (B · H · QB · S) where that is more.
   const int64_t band = std::max<int64_t>(1, (int64_t{1} << 24) / (B * H * QB * nk * KB));
   std::vector<at::Tensor> states, bits;
   for (int64_t q0 = 0; q0 < nq; q0 += band) {
@@ -207,6 +222,8 @@ BlockMask create_block_mask(const MaskMod& mask_mod, int64_t B, int64_t H, int64
         mask_mod(b, h, q.clamp_max(q_length - 1), kv.clamp_max(kv_length - 1));
     TORCH_CHECK(allowed.defined() && allowed.dim() <= 4, kCreateOp,
                 ": mask_mod must return a tensor broadcastable to (B, H, q_idx, kv_idx)");
+    TORCH_CHECK(allowed.device() == options.device, kCreateOp, ": mask_mod returned a tensor on ",
+                allowed.device(), " for indices on ", options.device);
     const at::Tensor inside = (q < q_length).logical_and(kv < kv_length);
     auto as_blocks = [&](const at::Tensor& t) {  // (B, H, n, nk, QB · KB)
       return t.expand({B, H, n * QB, nk * KB})

@@ -51,11 +51,18 @@ std::tuple<at::Tensor, at::Tensor> flex_attention(const at::Tensor& query, const
     mask = block_mask->dense();
     TORCH_CHECK(mask->device() == query.device(), kFlexOp, ": block_mask is on ",
                 mask->device(), ", the query on ", query.device());
+    // (Its full lists or bits may have a batch or heads of their own.)
+    TORCH_CHECK((mask->size(0) == 1 || mask->size(0) == query.size(0)) &&
+                    (mask->size(1) == 1 || mask->size(1) == query.size(1)),
+                kFlexOp, ": block_mask stands for a mask of (B, H) = (", mask->size(0), ", ",
+                mask->size(1), "), the query has (", query.size(0), ", ", query.size(1), ")");
   }
   if (options.bias) {
     const at::Tensor& bias = *options.bias;
     TORCH_CHECK(bias.defined() && at::isFloatingType(bias.scalar_type()) && bias.dim() <= 4,
                 kFlexOp, ": expected bias, a floating tensor broadcastable to (B, H, L, S)");
+    TORCH_CHECK(bias.device() == query.device(), kFlexOp, ": bias is on ", bias.device(),
+                ", the query on ", query.device());
     const std::vector<int64_t> scores{query.size(0), query.size(1), query.size(2), key.size(2)};
     bool broadcasts = true;
     for (int64_t d = 1; d <= bias.dim(); ++d) {

@@ -209,7 +209,9 @@ def _block_states_dense(block_mask, B: int, H: int, whole_grid: bool) -> Tensor:
     b = (bx.view(-1, 1, 1, 1, 1) if bx is not None else entries[:, 0].view(1, 1, -1, 1, 1))
     h = (hx.view(1, -1, 1, 1, 1) if hx is not None else entries[:, 1].view(1, 1, -1, 1, 1))
     qi = entries[:, 2].view(1, 1, -1, 1, 1) * QB + torch.arange(QB, **on).view(1, 1, 1, -1, 1)
-    ki = kb.view(1, 1, -1, 1, 1) * KB + torch.arange(KB, **on).view(1, 1, 1, 1, -1)
+    # (A listed block outside the keys, refused by the op, is not passed to mask_mod.)
+    ki = (kb.clamp(0, nk - 1).view(1, 1, -1, 1, 1) * KB
+          + torch.arange(KB, **on).view(1, 1, 1, 1, -1))
     shape = (B if bx is not None else 1, H if hx is not None else 1, entries.shape[0], QB, KB)
     allowed = torch.as_tensor(block_mask.mask_mod(b.expand(shape), h.expand(shape),
                                                   qi.clamp(max=L - 1).expand(shape),

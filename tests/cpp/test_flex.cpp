@@ -164,6 +164,9 @@ TEST(FlexBlockMask, HandWrittenListsAndTheKeptMask) {
   const at::Tensor dense = m.dense();
   EXPECT_TRUE(dense.equal(want)) << dense;
   EXPECT_TRUE(m.dense().is_same(dense));
+  // (flex_attention's copy of the mask shares what it keeps.)
+  const std::optional<fusedmha::BlockMask> copy = m;
+  EXPECT_TRUE(copy->dense().is_same(dense));
   m.partial_bits.zero_();
   EXPECT_FALSE(m.dense().is_same(dense));
   EXPECT_FALSE(m.dense()[0][0][0].any().item<bool>());
@@ -199,6 +202,8 @@ TEST(FlexAttention, MatchesDenseMaskForwardAndBackward) {
         reference(q, k, v, mask, c.bias ? std::optional<at::Tensor>(bias) : std::nullopt);
     EXPECT_TRUE(torch::allclose(out, ref_out, 1e-10, 1e-10));
     EXPECT_TRUE(torch::allclose(lse, ref_lse, 1e-10, 1e-10, /*equal_nan=*/true));
+    // (The first case's last rows see no key: 0 and -inf.)
+    EXPECT_EQ(lse.isneginf().any().item<bool>(), c.L == 150);
     const at::Tensor g = torch::randn_like(out);
     const auto grads = torch::autograd::grad({out}, {q, k, v, bias}, {g}, true, false, true);
     const auto ref_grads =
@@ -258,4 +263,18 @@ TEST(FlexAttention, ClearErrors) {
   expect_error([&] { too_many.dense(); }, "expected kv_num_blocks in [0, ");
   expect_error([&] { fusedmha::create_block_mask(per_head_window, 1, 1, 0, 8); },
                "expected B, H, q_length and kv_length > 0");
+}
+
+// Under InferenceMode (tensors without version counters) the mask is made
+// and kept as anywhere else.
+TEST(FlexAttention, InferenceMode) {
+  c10::InferenceMode guard;
+  const at::Tensor doc = documents(40, {10, 40});
+  const fusedmha::BlockMask m =
+      fusedmha::create_block_mask(document_causal(doc), 1, 1, 40, 40, {16, 16});
+  const at::Tensor q = torch::randn({1, 2, 40, 8});
+  const at::Tensor out = std::get<0>(fusedmha::flex_attention(q, q, q, m));
+  const at::Tensor want = fusedmha::scaled_dot_product_attention(q, q, q, m.dense());
+  EXPECT_TRUE(out.equal(want));
+  EXPECT_TRUE(m.dense().is_same(m.dense()));
 }

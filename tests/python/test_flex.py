@@ -263,6 +263,10 @@ def test_errors():
     two = create_block_mask(lambda b, h, q, kv: q >= kv, 2, 3, 200, 200, device="cpu")
     with pytest.raises(ValueError, match=r"block_mask is for \(B, H\) = \(2, 3\)"):
         fusedmha.flex_attention(q, k, v, block_mask=two)
+    broken = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 200, 200, device="cpu")
+    broken.kv_indices[0, 0, 0, 0] = -1  # (a listed partial block)
+    with pytest.raises(RuntimeError, match=r"lists key blocks outside \[0, 2\)"):
+        fusedmha.flex_attention(q, k, v, block_mask=broken)
     with pytest.raises(ValueError, match="bias: tensor of shape"):
         fusedmha.flex_attention(q, k, v, score_mod=flex.bias(torch.zeros(3, 200, 200)))
     with pytest.raises(ValueError, match=r"table must be a floating-point tensor \(H, 2R \+ 1\)"):

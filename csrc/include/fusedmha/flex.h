@@ -44,15 +44,18 @@ struct FUSEDMHA_API BlockMask {
   int64_t q_block_size = 128;
   int64_t kv_block_size = 128;
 
+  BlockMask();
+
   // The bool mask (B or 1, H or 1, q_length, kv_length) that this block
   // mask stands for (block_mask_dense), on the device of its tensors:
-  // computed once and kept, shared by copies of this BlockMask, until one
-  // of its tensors is replaced or changed in place.
+  // computed once and kept, shared by copies of this BlockMask (flex_attention
+  // calls with a copy reuse it), until one of its tensors is replaced or
+  // changed in place (inference tensors: replaced).
   at::Tensor dense() const;
 
  private:
   struct DenseCache;
-  mutable std::shared_ptr<DenseCache> dense_cache_;
+  std::shared_ptr<DenseCache> dense_cache_;
 };
 
 // mask_mod(b, h, q_idx, kv_idx) -> bool tensor: true where query q_idx of
@@ -77,10 +80,11 @@ FUSEDMHA_API BlockMask create_block_mask(const MaskMod& mask_mod, int64_t B, int
                                          int64_t q_length, int64_t kv_length,
                                          const BlockMaskOptions& options = {});
 
-// The bool mask (max(B, Bp), max(H, Hp), L, S) a block mask's lists and
-// bits stand for (op fusedmha::block_mask_dense): partial_bits (P, QB, KB)
-// as BlockMask's, or (Bp, Hp, P, QB, KB) with bits of their own for each
-// batch index and head where the lists have a batch or heads of 1.
+// The bool mask (B, H, L, S) a block mask's lists and bits stand for (op
+// fusedmha::block_mask_dense): partial_bits (P, QB, KB) as BlockMask's, or
+// (Bp, Hp, P, QB, KB) with bits of their own for each batch index and head
+// where the lists have a batch or heads of 1. B is the largest batch of
+// the two lists and the bits (each 1 or B), H the same for heads.
 // block_size is (QB, KB), seq_lengths (L, S).
 FUSEDMHA_API at::Tensor block_mask_dense(const at::Tensor& kv_num_blocks,
                                          const at::Tensor& kv_indices,
