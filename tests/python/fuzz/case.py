@@ -22,6 +22,7 @@ ENTRY_POINTS = {
     "MultiheadAttention": ("fusedmha.MultiheadAttention",),
     "merge_attention": ("fusedmha.merge_attention",),
     "ring_attention": ("fusedmha.distributed.ring_attention",),
+    "flex_attention": ("fusedmha.flex_attention", "fusedmha.block_mask_dense"),
 }
 
 

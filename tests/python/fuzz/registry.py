@@ -9,6 +9,7 @@ import torch
 from . import edges
 from .backward import gen_attention_backward
 from .flash_attn import gen_flash_attn_func
+from .flex import gen_flex
 from .kvcache import gen_kvcache
 from .mha import gen_mha
 from .sdpa import gen_sdpa_like
@@ -19,7 +20,7 @@ CASE_STRIDE = 1_000_003  # case `index` of run `seed` is seeded with seed * CASE
 ENTRY_WEIGHTS = {"sdpa": 24, "attention_forward": 12, "attention_backward": 8,
                  "flash_attn_func": 13, "flash_attn_varlen_func": 14,
                  "flash_attn_with_kvcache": 13, "MultiheadAttention": 16,
-                 "merge_attention": 2, "ring_attention": 2}
+                 "merge_attention": 2, "ring_attention": 2, "flex_attention": 8}
 ERROR_KINDS = {"wrong_device": 4, "wrong_dtype": 4, "wrong_shape": 6}
 KINDS = {  # kind -> weight, per entry point ("edge": edges.py)
     "sdpa": dict(valid=40, nonfinite=8, empty=5, edge=44, huge=2, overflow=1, meta=5, **ERROR_KINDS),
@@ -34,6 +35,7 @@ KINDS = {  # kind -> weight, per entry point ("edge": edges.py)
                                wrong_device=3, wrong_dtype=5, wrong_shape=8),
     "merge_attention": dict(edge=1),
     "ring_attention": dict(edge=1),
+    "flex_attention": dict(valid=40, broken=8, wrong_shape=8),
 }
 
 
@@ -52,6 +54,7 @@ GENERATORS = {
     "flash_attn_varlen_func": gen_varlen,
     "flash_attn_with_kvcache": gen_kvcache,
     "MultiheadAttention": gen_mha,
+    "flex_attention": gen_flex,
 }
 
 
