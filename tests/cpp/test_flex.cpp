@@ -278,3 +278,36 @@ TEST(FlexAttention, InferenceMode) {
   EXPECT_TRUE(out.equal(want));
   EXPECT_TRUE(m.dense().is_same(m.dense()));
 }
+
+// Sizes at the edges: one query and key under blocks larger than both, an
+// empty batch, no queries (a hand-made mask of no query blocks), every
+// block empty (rows that see nothing: 0 and -inf).
+TEST(FlexAttention, EdgeSizes) {
+  const auto one = fusedmha::create_block_mask(per_head_window, 1, 1, 1, 1);
+  const at::Tensor x = torch::randn({1, 1, 1, 8});
+  EXPECT_TRUE(std::get<0>(fusedmha::flex_attention(x, x, x, one)).equal(x));
+  const fusedmha::BlockMask m = fusedmha::create_block_mask(per_head_window, 1, 1, 5, 7);
+  const at::Tensor k = torch::randn({0, 2, 7, 8});
+  EXPECT_EQ(std::get<0>(fusedmha::flex_attention(torch::randn({0, 2, 5, 8}), k, k, m)).sizes(),
+            (std::vector<int64_t>{0, 2, 5, 8}));
+  fusedmha::BlockMask none;
+  none.q_length = 0;
+  none.kv_length = 7;
+  none.kv_num_blocks = torch::zeros({1, 1, 0}, at::kInt);
+  none.kv_indices = torch::zeros({1, 1, 0, 1}, at::kInt);
+  none.partial_bits = torch::zeros({0, 128, 128}, at::kBool);
+  const at::Tensor kv = torch::randn({1, 1, 7, 8});
+  EXPECT_EQ(std::get<1>(fusedmha::flex_attention(torch::randn({1, 1, 0, 8}), kv, kv, none))
+                .sizes(),
+            (std::vector<int64_t>{1, 1, 0}));
+  const fusedmha::BlockMask hidden = fusedmha::create_block_mask(
+      [](const at::Tensor&, const at::Tensor&, const at::Tensor& q, const at::Tensor&) {
+        return q < 0;
+      },
+      1, 1, 9, 7, {4, 4});
+  EXPECT_EQ(hidden.kv_num_blocks.sum().item<int64_t>(), 0);
+  const at::Tensor q = torch::randn({1, 1, 9, 8});
+  const auto [out, lse] = fusedmha::flex_attention(q, kv, kv, hidden);
+  EXPECT_TRUE(out.eq(0).all().item<bool>());
+  EXPECT_TRUE(lse.isneginf().all().item<bool>());
+}
