@@ -94,10 +94,15 @@ __attribute__((always_inline)) inline __m256 lane_sums(const FloatLanes* a) {
 
 // Sᵀ rows i0..i0+R of keys j..j+8/R: sᵀ[key][row] = k_scale · q_row · codes,
 // R query rows of q (dim apart) against 8 / R key rows, 8 accumulators.
+// Inlined into code_scores' loop, its sums scaled as one vector: called per
+// step, its frame (the accumulators zeroed on the stack) and a scalar
+// product and store per score cost as much as its FMAs.
 template <KVStorage S, int R>
-void code_score_step(const float* q, const uint8_t* codes, int64_t code_stride,
-                     const float* scales, int64_t scale_stride, int64_t dim, float* st,
-                     int64_t ls) {
+__attribute__((always_inline)) inline void code_score_step(const float* q, const uint8_t* codes,
+                                                           int64_t code_stride,
+                                                           const float* scales,
+                                                           int64_t scale_stride, int64_t dim,
+                                                           float* st, int64_t ls) {
   constexpr int K = 8 / R;
   FloatLanes acc[8];
   for (int n = 0; n < 8; ++n) acc[n] = zero();
@@ -122,11 +127,39 @@ void code_score_step(const float* q, const uint8_t* codes, int64_t code_stride,
       for (int c = 0; c < K; ++c) acc[c * R + r] = fmadd(qr, k[c], acc[c * R + r]);
     }
   }
-  alignas(32) float sums[8];
-  _mm256_store_ps(sums, lane_sums(acc));
+  const __m256 sums = lane_sums(acc);
+  if (whole == dim) {
+    // Each key's scale over its R lanes, one product, R lanes stored per key.
+    const float u = code_unit<S>();
+    auto scale = [&](int c) { return scales[c * scale_stride] * u; };
+    if constexpr (R == 4) {
+      const __m256 f = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(scale(0))),
+                                            _mm_set1_ps(scale(1)), 1);
+      const __m256 x = _mm256_mul_ps(sums, f);
+      _mm_storeu_ps(st, _mm256_castps256_ps128(x));
+      _mm_storeu_ps(st + ls, _mm256_extractf128_ps(x, 1));
+      return;
+    }
+    alignas(32) float x[8];
+    if constexpr (R == 2) {
+      _mm256_store_ps(x, _mm256_mul_ps(sums, _mm256_setr_ps(scale(0), scale(0), scale(1), scale(1),
+                                                            scale(2), scale(2), scale(3),
+                                                            scale(3))));
+    } else {
+      _mm256_store_ps(x, _mm256_mul_ps(sums, _mm256_setr_ps(scale(0), scale(1), scale(2), scale(3),
+                                                            scale(4), scale(5), scale(6),
+                                                            scale(7))));
+    }
+    for (int c = 0; c < K; ++c) {
+      for (int r = 0; r < R; ++r) st[c * ls + r] = x[c * R + r];
+    }
+    return;
+  }
+  alignas(32) float partial[8];
+  _mm256_store_ps(partial, sums);
   for (int c = 0; c < K; ++c) {
     for (int r = 0; r < R; ++r) {
-      float s = sums[c * R + r];
+      float s = partial[c * R + r];
       for (int64_t e = whole; e < dim; ++e) {  // (a head dim that is not whole vectors)
         s += q[r * dim + e] * code_value(S, codes[c * code_stride + e]) / code_unit<S>();
       }
