@@ -1,8 +1,9 @@
 #pragma once
 
-// Decoding over quantized K/V (int8 or fp8 codes, a float32 scale per row):
-// the scores and the P·V product straight from the codes, each code
-// converted in a register once per group of query rows and never stored.
+// Decoding over quantized K/V (int8 or fp8 codes, a float32 scale per row)
+// and over bfloat16 / float16 K/V: the scores and the P·V product straight
+// from the stored elements, each converted in a register once per group of
+// query rows and never stored.
 // The float tiles of the other inputs (TileInputs::key_rows_of, which
 // converts a block into L1 first and then runs the float micro-kernels)
 // cost a store and a load per element beside the 4 FMAs that a GQA group's
@@ -14,9 +15,11 @@
 // Scores are dot products: row-major query rows (scaled) against key rows,
 // summed across lanes once per key, so the FMAs are rows · keys · dim (no
 // lanes wasted on a GQA group of 4 in 8 or 16 lanes). They are not the
-// score GEMM's to the bit, which the backward and the weights pass would
-// need (ScoreTiles::few_row_scores): quantized K/V are forward only. Float
-// acc_t, AVX2 and AVX-512; other levels and acc_t take the float tiles.
+// score GEMM's to the bit, which the backward and the weights pass
+// recompute (ScoreTiles::few_row_scores): quantized K/V are forward only,
+// and half-precision outputs and gradients round far coarser than the
+// float sums' different order. Float acc_t, AVX2 and AVX-512; other levels
+// and acc_t take the float tiles.
 //
 // Included only by the per-ISA kernel units (compiled once per level with
 // -DCPU_CAPABILITY=<LEVEL>, see cpu/isa_kernels.h): everything here lives in
@@ -100,6 +103,63 @@ FloatLanes fmadd(FloatLanes a, FloatLanes b, FloatLanes c) { return _mm256_fmadd
 __m256 halves_added(FloatLanes a) { return a; }
 #endif
 
+// What code_scores and code_values read, a vector of lanes at a time: a
+// quantized cache's 8-bit codes (CodeRows: each row's scale applies, e4m3
+// read as its value / 2^8), or the rows of a bfloat16 or float16 K/V as they
+// are (HalfRows: no scale), widened in registers as codes are instead of
+// copied into float tiles first.
+template <KVStorage S>
+struct CodeRows {
+  using Element = uint8_t;
+  static constexpr bool kScaled = true;
+  static constexpr float kUnit = code_unit<S>();
+  static FloatLanes lanes(const Element* c) { return code_lanes<S>(c); }
+  static void pair(const Element* c, FloatLanes& lo, FloatLanes& hi) { code_pair<S>(c, lo, hi); }
+  // One element as lanes reads it (its value / kUnit).
+  static float value(Element c) { return code_value(S, c) / kUnit; }
+};
+
+template <typename Half>  // c10::BFloat16 or c10::Half
+struct HalfRows {
+  using Element = uint16_t;
+  static constexpr bool kScaled = false;
+  static constexpr float kUnit = 1.0f;
+  static constexpr bool kBFloat16 = std::is_same_v<Half, c10::BFloat16>;
+  static FloatLanes lanes(const Element* c) {
+#if defined(CPU_CAPABILITY_AVX512)
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
+    if constexpr (kBFloat16) {
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    } else {
+      return _mm512_cvtph_ps(h);
+    }
+#else
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
+    if constexpr (kBFloat16) {
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    } else {
+      return _mm256_cvtph_ps(h);
+    }
+#endif
+  }
+  static void pair(const Element* c, FloatLanes& lo, FloatLanes& hi) {
+    lo = lanes(c);
+    hi = lanes(c + kCodeLanes);
+  }
+  static float value(Element c) { return static_cast<float>(Half(c, Half::from_bits())); }
+};
+
+// A key's scale as the scores and probabilities take it (1 for HalfRows).
+template <typename Rows>
+float scale_of(const float* scales, int64_t index) {
+  if constexpr (Rows::kScaled) {
+    return scales[index] * Rows::kUnit;
+  } else {
+    (void)scales, (void)index;
+    return 1.0f;
+  }
+}
+
 // The lane sums of 8 vectors, as one vector of 8 floats (sums[n] of a[n]).
 __attribute__((always_inline)) inline __m256 lane_sums(const FloatLanes* a) {
   __m256 x[8];
@@ -115,8 +175,9 @@ __attribute__((always_inline)) inline __m256 lane_sums(const FloatLanes* a) {
 // Inlined into code_scores' loop, its sums scaled as one vector: called per
 // step, its frame (the accumulators zeroed on the stack) and a scalar
 // product and store per score cost as much as its FMAs.
-template <KVStorage S, int R>
-__attribute__((always_inline)) inline void code_score_step(const float* q, const uint8_t* codes,
+template <typename Rows, int R>
+__attribute__((always_inline)) inline void code_score_step(const float* q,
+                                                           const typename Rows::Element* codes,
                                                            int64_t code_stride,
                                                            const float* scales,
                                                            int64_t scale_stride, int64_t dim,
@@ -128,7 +189,7 @@ __attribute__((always_inline)) inline void code_score_step(const float* q, const
   int64_t e = 0;
   for (; e + 2 * kCodeLanes <= whole; e += 2 * kCodeLanes) {  // (two vectors of each key)
     FloatLanes k[2 * K];
-    for (int c = 0; c < K; ++c) code_pair<S>(codes + c * code_stride + e, k[2 * c], k[2 * c + 1]);
+    for (int c = 0; c < K; ++c) Rows::pair(codes + c * code_stride + e, k[2 * c], k[2 * c + 1]);
     for (int r = 0; r < R; ++r) {
       const FloatLanes q0 = load(q + r * dim + e), q1 = load(q + r * dim + e + kCodeLanes);
       for (int c = 0; c < K; ++c) {
@@ -139,7 +200,7 @@ __attribute__((always_inline)) inline void code_score_step(const float* q, const
   }
   for (; e < whole; e += kCodeLanes) {
     FloatLanes k[K];
-    for (int c = 0; c < K; ++c) k[c] = code_lanes<S>(codes + c * code_stride + e);
+    for (int c = 0; c < K; ++c) k[c] = Rows::lanes(codes + c * code_stride + e);
     for (int r = 0; r < R; ++r) {
       const FloatLanes qr = load(q + r * dim + e);
       for (int c = 0; c < K; ++c) acc[c * R + r] = fmadd(qr, k[c], acc[c * R + r]);
@@ -148,8 +209,7 @@ __attribute__((always_inline)) inline void code_score_step(const float* q, const
   const __m256 sums = lane_sums(acc);
   if (whole == dim) {
     // Each key's scale over its R lanes, one product, R lanes stored per key.
-    const float u = code_unit<S>();
-    auto scale = [&](int c) { return scales[c * scale_stride] * u; };
+    auto scale = [&](int c) { return scale_of<Rows>(scales, c * scale_stride); };
     if constexpr (R == 4) {
       const __m256 f = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(scale(0))),
                                             _mm_set1_ps(scale(1)), 1);
@@ -179,9 +239,9 @@ __attribute__((always_inline)) inline void code_score_step(const float* q, const
     for (int r = 0; r < R; ++r) {
       float s = partial[c * R + r];
       for (int64_t e = whole; e < dim; ++e) {  // (a head dim that is not whole vectors)
-        s += q[r * dim + e] * code_value(S, codes[c * code_stride + e]) / code_unit<S>();
+        s += q[r * dim + e] * Rows::value(codes[c * code_stride + e]);
       }
-      st[c * ls + r] = s * (scales[c * scale_stride] * code_unit<S>());
+      st[c * ls + r] = s * scale_of<Rows>(scales, c * scale_stride);
     }
   }
 }
@@ -190,8 +250,9 @@ __attribute__((always_inline)) inline void code_score_step(const float* q, const
 // row-major, dim apart, zero rows up to a multiple of 4 where rows > 2)
 // against cols quantized key rows; a burst of prefetch's lines per step
 // (code_score_steps).
-template <KVStorage S>
-void code_scores(const float* q, int64_t rows, const uint8_t* codes, int64_t code_stride,
+template <typename Rows>
+void code_scores(const float* q, int64_t rows, const typename Rows::Element* codes,
+                 int64_t code_stride,
                  const float* scales, int64_t scale_stride, int64_t cols, int64_t dim,
                  float* st, int64_t ls, PrefetchQueue* prefetch) {
   auto run = [&](auto rows_per_step) {
@@ -200,7 +261,7 @@ void code_scores(const float* q, int64_t rows, const uint8_t* codes, int64_t cod
       int64_t j = 0;
       for (; j + K <= cols; j += K) {
         if (prefetch && j % kCodeKeysPerBurst == 0) prefetch->issue();
-        code_score_step<S, R>(q + i0 * dim, codes + j * code_stride, code_stride,
+        code_score_step<Rows, R>(q + i0 * dim, codes + j * code_stride, code_stride,
                               scales + j * scale_stride, scale_stride, dim, st + j * ls + i0, ls);
       }
       if (j < cols && prefetch && j % kCodeKeysPerBurst != 0) prefetch->issue();
@@ -208,9 +269,9 @@ void code_scores(const float* q, int64_t rows, const uint8_t* codes, int64_t cod
         for (int64_t r = 0; r < R; ++r) {
           float s = 0;
           for (int64_t e = 0; e < dim; ++e) {
-            s += q[(i0 + r) * dim + e] * code_value(S, codes[j * code_stride + e]);
+            s += q[(i0 + r) * dim + e] * Rows::value(codes[j * code_stride + e]);
           }
-          st[j * ls + i0 + r] = s * scales[j * scale_stride];
+          st[j * ls + i0 + r] = s * scale_of<Rows>(scales, j * scale_stride);
         }
       }
     }
@@ -230,8 +291,9 @@ void code_scores(const float* q, int64_t rows, const uint8_t* codes, int64_t cod
 // p[j][row] · codes_j, with p = Pᵀ (cols × ls lanes) already multiplied by
 // each key's v_scale / code_unit: R · C accumulators, each converted vector
 // of codes used by R rows.
-template <KVStorage S, int R, int C>
-void code_value_rows(const float* p, int64_t ls, const uint8_t* codes, int64_t code_stride,
+template <typename Rows, int R, int C>
+void code_value_rows(const float* p, int64_t ls, const typename Rows::Element* codes,
+                     int64_t code_stride,
                      int64_t cols, int64_t e0, int64_t e1, float* out, int64_t ldo) {
   static_assert(R * C <= 8, "8 accumulators at most: the others hold codes and a probability");
   for (int64_t e = e0; e + C * kCodeLanes <= e1; e += C * kCodeLanes) {
@@ -241,10 +303,10 @@ void code_value_rows(const float* p, int64_t ls, const uint8_t* codes, int64_t c
     }
     for (int64_t j = 0; j < cols; ++j) {
       FloatLanes v[C];
-      const uint8_t* row = codes + j * code_stride + e;
+      const typename Rows::Element* row = codes + j * code_stride + e;
       int c = 0;
-      for (; c + 2 <= C; c += 2) code_pair<S>(row + c * kCodeLanes, v[c], v[c + 1]);
-      for (; c < C; ++c) v[c] = code_lanes<S>(row + c * kCodeLanes);
+      for (; c + 2 <= C; c += 2) Rows::pair(row + c * kCodeLanes, v[c], v[c + 1]);
+      for (; c < C; ++c) v[c] = Rows::lanes(row + c * kCodeLanes);
       for (int r = 0; r < R; ++r) {
         const FloatLanes pj = splat(p[j * ls + r]);
         for (int c = 0; c < C; ++c) acc[r * C + c] = fmadd(pj, v[c], acc[r * C + c]);
@@ -258,13 +320,14 @@ void code_value_rows(const float* p, int64_t ls, const uint8_t* codes, int64_t c
 
 // out (rows × dim, ldo apart) += Pᵀ's rows · the cols quantized value rows;
 // p (Pᵀ, cols × ls lanes) is multiplied by each key's scale on the way.
-template <KVStorage S>
-void code_values(float* p, int64_t ls, int64_t rows, const uint8_t* codes, int64_t code_stride,
+template <typename Rows>
+void code_values(float* p, int64_t ls, int64_t rows, const typename Rows::Element* codes,
+                 int64_t code_stride,
                  const float* scales, int64_t scale_stride, int64_t cols, int64_t dim,
                  float* out, int64_t ldo) {
   // (Each key's scale once, on its probabilities.)
-  for (int64_t j = 0; j < cols; ++j) {
-    const float s = scales[j * scale_stride] * code_unit<S>();
+  for (int64_t j = 0; Rows::kScaled && j < cols; ++j) {
+    const float s = scale_of<Rows>(scales, j * scale_stride);
     for (int64_t i = 0; i < rows; ++i) p[j * ls + i] *= s;
   }
   const int64_t vectors = dim / kCodeLanes * kCodeLanes;
@@ -276,8 +339,10 @@ void code_values(float* p, int64_t ls, int64_t rows, const uint8_t* codes, int64
       constexpr int64_t span = (8 / R) * kCodeLanes;
       const int64_t runs = dim / span * span;
       float* rows_out = out + i0 * ldo;
-      code_value_rows<S, R, 8 / R>(p + i0, ls, codes, code_stride, cols, 0, runs, rows_out, ldo);
-      code_value_rows<S, R, 1>(p + i0, ls, codes, code_stride, cols, runs, vectors, rows_out, ldo);
+      code_value_rows<Rows, R, 8 / R>(p + i0, ls, codes, code_stride, cols, 0, runs, rows_out,
+                                      ldo);
+      code_value_rows<Rows, R, 1>(p + i0, ls, codes, code_stride, cols, runs, vectors, rows_out,
+                                  ldo);
       return R;
     };
     const int R = left >= 8   ? rows_of(std::integral_constant<int, 8>{})
@@ -288,7 +353,7 @@ void code_values(float* p, int64_t ls, int64_t rows, const uint8_t* codes, int64
       for (int64_t e = vectors; e < dim; ++e) {
         float sum = out[(i0 + r) * ldo + e];
         for (int64_t j = 0; j < cols; ++j) {
-          sum += p[j * ls + i0 + r] * (code_value(S, codes[j * code_stride + e]) / code_unit<S>());
+          sum += p[j * ls + i0 + r] * Rows::value(codes[j * code_stride + e]);
         }
         out[(i0 + r) * ldo + e] = sum;
       }

@@ -154,10 +154,15 @@ class TileInputs {
     }
   }
 
-  // Decoding over quantized K/V with the codes converted in registers
-  // (cpu/decode_codes.h): float acc_t at the levels that have it.
+  // Decoding over quantized K/V, or over bfloat16 / float16 K/V, with the
+  // elements converted in registers (cpu/decode_codes.h): float acc_t at the
+  // levels that have it. (Its scores are not the score GEMM's to the bit;
+  // half-precision outputs and gradients round far coarser than the
+  // difference.)
   static constexpr bool kFusedCodes = kCodesInRegisters && std::is_same_v<acc_t, float>;
-  bool codes_in_registers() const { return kFusedCodes && quantized(); }
+  static constexpr bool kHalfRows =
+      std::is_same_v<scalar_t, c10::BFloat16> || std::is_same_v<scalar_t, c10::Half>;
+  bool codes_in_registers() const { return kFusedCodes && (quantized() || kHalfRows); }
 
   // Rows r0..r0+rows of t (dim wide) times scale, row-major into dst (dim
   // apart), and zero rows up to padded_rows: the query rows code_scores
@@ -179,10 +184,18 @@ class TileInputs {
                       acc_t* st, int64_t ls, PrefetchQueue* prefetch) const {
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
     if constexpr (kFusedCodes) {
+      if constexpr (kHalfRows) {
+        if (!quantized()) {
+          code_scores<HalfRows<scalar_t>>(q, rows, half_rows(KeySide::K, o, k0), p_.k.row_stride,
+                                          nullptr, 0, cols, p_.dim_qk, st, ls, prefetch);
+          return;
+        }
+      }
       with_storage(p_.kv_storage, [&](auto s) {
-        code_scores<decltype(s)::value>(q, rows, key_codes(KeySide::K, o, k0), p_.k.row_stride,
-                                        k_scale_at(p_, o, k0), p_.k_scale.row_stride, cols,
-                                        p_.dim_qk, st, ls, prefetch);
+        code_scores<CodeRows<decltype(s)::value>>(q, rows, key_codes(KeySide::K, o, k0),
+                                                  p_.k.row_stride, k_scale_at(p_, o, k0),
+                                                  p_.k_scale.row_stride, cols, p_.dim_qk, st,
+                                                  ls, prefetch);
       });
     }
 #else
@@ -195,10 +208,18 @@ class TileInputs {
                       acc_t* out, int64_t ldo) const {
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
     if constexpr (kFusedCodes) {
+      if constexpr (kHalfRows) {
+        if (!quantized()) {
+          code_values<HalfRows<scalar_t>>(p, ls, rows, half_rows(KeySide::V, o, k0),
+                                          p_.v.row_stride, nullptr, 0, cols, p_.dim_v, out, ldo);
+          return;
+        }
+      }
       with_storage(p_.kv_storage, [&](auto s) {
-        code_values<decltype(s)::value>(p, ls, rows, key_codes(KeySide::V, o, k0), p_.v.row_stride,
-                                        v_scale_at(p_, o, k0), p_.v_scale.row_stride, cols,
-                                        p_.dim_v, out, ldo);
+        code_values<CodeRows<decltype(s)::value>>(p, ls, rows, key_codes(KeySide::V, o, k0),
+                                                  p_.v.row_stride, v_scale_at(p_, o, k0),
+                                                  p_.v_scale.row_stride, cols, p_.dim_v, out,
+                                                  ldo);
       });
     }
 #else
@@ -289,6 +310,10 @@ class TileInputs {
   int64_t key_element_bytes() const { return quantized() ? 1 : int64_t{sizeof(scalar_t)}; }
   const uint8_t* key_codes(KeySide side, int64_t o, int64_t k0) const {
     return static_cast<const uint8_t*>(key_source(side, o, k0));
+  }
+  // Rows of a bfloat16 or float16 K/V as their bits (HalfRows).
+  const uint16_t* half_rows(KeySide side, int64_t o, int64_t k0) const {
+    return static_cast<const uint16_t*>(key_source(side, o, k0));
   }
   const Matrix& scale_matrix(KeySide side) const {
     return side == KeySide::K ? p_.k_scale : p_.v_scale;
