@@ -6,6 +6,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "expect_error.h"
+
 #include <array>
 #include <string>
 
@@ -33,17 +35,6 @@ void expect_matches_aten(const at::Tensor& q, const at::Tensor& k, const at::Ten
                                                      : 3e-2;
   EXPECT_TRUE(torch::allclose(out.to(at::kDouble), ref, tol, tol))
       << "max abs diff " << (out.to(at::kDouble) - ref).abs().max().item<double>();
-}
-
-// Runs f and expects a c10::Error whose message contains `needle`.
-template <typename F>
-void expect_error(F f, const std::string& needle) {
-  try {
-    f();
-    ADD_FAILURE() << "expected an error containing: " << needle;
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
 }
 
 }  // namespace

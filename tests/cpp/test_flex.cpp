@@ -7,6 +7,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "expect_error.h"
+
 #include <cmath>
 #include <limits>
 #include <string>
@@ -63,16 +65,6 @@ std::tuple<at::Tensor, at::Tensor> reference(const at::Tensor& q, const at::Tens
   const at::Tensor e = (s - top).exp(), sum = e.sum(-1, true);
   const at::Tensor p = e / at::where(sum.eq(0), at::ones_like(sum), sum);
   return {at::matmul(p, vv), (sum.log() + top).squeeze(-1)};
-}
-
-template <typename F>
-void expect_error(F f, const std::string& needle) {
-  try {
-    f();
-    ADD_FAILURE() << "expected an error containing: " << needle;
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
 }
 
 }  // namespace
