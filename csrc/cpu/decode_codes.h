@@ -252,17 +252,18 @@ __attribute__((always_inline)) inline void code_score_step(const float* q,
 // (code_score_steps).
 template <typename Rows>
 void code_scores(const float* q, int64_t rows, const typename Rows::Element* codes,
-                 int64_t code_stride,
-                 const float* scales, int64_t scale_stride, int64_t cols, int64_t dim,
-                 float* st, int64_t ls, PrefetchQueue* prefetch) {
+                 int64_t code_stride, const float* scales, int64_t scale_stride, int64_t cols,
+                 int64_t dim, float* st, int64_t ls, PrefetchQueue* prefetch) {
   auto run = [&](auto rows_per_step) {
     constexpr int R = decltype(rows_per_step)::value, K = 8 / R;
     for (int64_t i0 = 0; i0 < rows; i0 += R) {
       int64_t j = 0;
       for (; j + K <= cols; j += K) {
         if (prefetch && j % kCodeKeysPerBurst == 0) prefetch->issue();
-        code_score_step<Rows, R>(q + i0 * dim, codes + j * code_stride, code_stride,
-                              scales + j * scale_stride, scale_stride, dim, st + j * ls + i0, ls);
+        // (HalfRows have no scales: no offset on their null pointer.)
+        const float* key_scales = Rows::kScaled ? scales + j * scale_stride : scales;
+        code_score_step<Rows, R>(q + i0 * dim, codes + j * code_stride, code_stride, key_scales,
+                                 scale_stride, dim, st + j * ls + i0, ls);
       }
       if (j < cols && prefetch && j % kCodeKeysPerBurst != 0) prefetch->issue();
       for (; j < cols; ++j) {  // (the block's last keys, one at a time)
@@ -289,12 +290,12 @@ void code_scores(const float* q, int64_t rows, const typename Rows::Element* cod
 
 // out (R rows, ldo apart; dims e0..e1, whole runs of C vectors) += Σ_j
 // p[j][row] · codes_j, with p = Pᵀ (cols × ls lanes) already multiplied by
-// each key's v_scale / code_unit: R · C accumulators, each converted vector
-// of codes used by R rows.
+// each key's v_scale · code_unit (CodeRows): R · C accumulators, each
+// converted vector of codes used by R rows.
 template <typename Rows, int R, int C>
 void code_value_rows(const float* p, int64_t ls, const typename Rows::Element* codes,
-                     int64_t code_stride,
-                     int64_t cols, int64_t e0, int64_t e1, float* out, int64_t ldo) {
+                     int64_t code_stride, int64_t cols, int64_t e0, int64_t e1, float* out,
+                     int64_t ldo) {
   static_assert(R * C <= 8, "8 accumulators at most: the others hold codes and a probability");
   for (int64_t e = e0; e + C * kCodeLanes <= e1; e += C * kCodeLanes) {
     FloatLanes acc[R * C];
@@ -322,9 +323,8 @@ void code_value_rows(const float* p, int64_t ls, const typename Rows::Element* c
 // p (Pᵀ, cols × ls lanes) is multiplied by each key's scale on the way.
 template <typename Rows>
 void code_values(float* p, int64_t ls, int64_t rows, const typename Rows::Element* codes,
-                 int64_t code_stride,
-                 const float* scales, int64_t scale_stride, int64_t cols, int64_t dim,
-                 float* out, int64_t ldo) {
+                 int64_t code_stride, const float* scales, int64_t scale_stride, int64_t cols,
+                 int64_t dim, float* out, int64_t ldo) {
   // (Each key's scale once, on its probabilities.)
   for (int64_t j = 0; Rows::kScaled && j < cols; ++j) {
     const float s = scale_of<Rows>(scales, j * scale_stride);

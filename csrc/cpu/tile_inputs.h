@@ -178,8 +178,8 @@ class TileInputs {
     std::fill(dst + rows * dim, dst + std::max(rows, padded_rows) * dim, acc_t(0));
   }
   // Sᵀ (cols × ls) of `rows` rows packed by pack_rows (zero rows up to a
-  // multiple of 4 where rows > 2) against quantized keys k0..k0+cols of
-  // outer index o.
+  // multiple of 4 where rows > 2) against quantized or half-precision keys
+  // k0..k0+cols of outer index o.
   void code_scores_of(int64_t o, int64_t k0, int64_t cols, const acc_t* q, int64_t rows,
                       acc_t* st, int64_t ls, PrefetchQueue* prefetch) const {
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
@@ -202,8 +202,9 @@ class TileInputs {
     (void)o, (void)k0, (void)cols, (void)q, (void)rows, (void)st, (void)ls, (void)prefetch;
 #endif
   }
-  // out (rows × dim_v, ldo apart) += Pᵀ (cols × ls; scaled in place) times
-  // quantized values k0..k0+cols of outer index o.
+  // out (rows × dim_v, ldo apart) += Pᵀ (cols × ls; scaled in place for
+  // codes) times quantized or half-precision values k0..k0+cols of outer
+  // index o.
   void code_values_of(int64_t o, int64_t k0, int64_t cols, acc_t* p, int64_t ls, int64_t rows,
                       acc_t* out, int64_t ldo) const {
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
