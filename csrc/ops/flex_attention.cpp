@@ -7,6 +7,8 @@
 
 #include <ATen/ATen.h>
 
+#include "ops/attention_checks.h"
+
 #include <limits>
 #include <utility>
 #include <vector>
@@ -16,18 +18,21 @@ namespace {
 
 constexpr const char* kFlexOp = "fusedmha::flex_attention";
 
-void check_block_mask(const BlockMask& m, const at::Tensor& query, const at::Tensor& key) {
+// The block mask against the inputs: its lengths, then the batch and heads
+// of the dense mask it stands for (those of its lists, or of full lists or
+// bits of their own), each 1 or the query's.
+at::Tensor dense_mask_for(const BlockMask& m, const at::Tensor& query, const at::Tensor& key) {
   const int64_t L = query.size(2), S = key.size(2);
   TORCH_CHECK(m.q_length == L && m.kv_length == S, kFlexOp, ": block_mask is for (L, S) = (",
               m.q_length, ", ", m.kv_length, "), the inputs have (", L, ", ", S, ")");
-  TORCH_CHECK(m.kv_num_blocks.defined() && m.kv_num_blocks.dim() == 3, kFlexOp,
-              ": expected block_mask.kv_num_blocks (B, H, query blocks), got ",
-              m.kv_num_blocks.defined() ? m.kv_num_blocks.sizes() : at::IntArrayRef{});
-  const int64_t Bm = m.kv_num_blocks.size(0), Hm = m.kv_num_blocks.size(1);
-  const int64_t B = query.size(0), H = query.size(1);
+  at::Tensor mask = m.dense();
+  const int64_t Bm = mask.size(0), Hm = mask.size(1), B = query.size(0), H = query.size(1);
   TORCH_CHECK((Bm == 1 || Bm == B) && (Hm == 1 || Hm == H), kFlexOp,
               ": block_mask is for (B, H) = (", Bm, ", ", Hm, "), the query has (", B, ", ", H,
               "): expected 1 or the query's, each");
+  TORCH_CHECK(mask.device() == query.device(), kFlexOp, ": block_mask is on ", mask.device(),
+              ", the query on ", query.device());
+  return mask;
 }
 
 }  // namespace
@@ -46,31 +51,18 @@ std::tuple<at::Tensor, at::Tensor> flex_attention(const at::Tensor& query, const
               query.size(1), " heads and key ", key.size(1),
               ": set enable_gqa for grouped-query attention");
   std::optional<at::Tensor> mask;
-  if (block_mask) {
-    check_block_mask(*block_mask, query, key);
-    mask = block_mask->dense();
-    TORCH_CHECK(mask->device() == query.device(), kFlexOp, ": block_mask is on ",
-                mask->device(), ", the query on ", query.device());
-    // (Its full lists or bits may have a batch or heads of their own.)
-    TORCH_CHECK((mask->size(0) == 1 || mask->size(0) == query.size(0)) &&
-                    (mask->size(1) == 1 || mask->size(1) == query.size(1)),
-                kFlexOp, ": block_mask stands for a mask of (B, H) = (", mask->size(0), ", ",
-                mask->size(1), "), the query has (", query.size(0), ", ", query.size(1), ")");
-  }
+  if (block_mask) mask = dense_mask_for(*block_mask, query, key);
   if (options.bias) {
     const at::Tensor& bias = *options.bias;
     TORCH_CHECK(bias.defined() && at::isFloatingType(bias.scalar_type()) && bias.dim() <= 4,
                 kFlexOp, ": expected bias, a floating tensor broadcastable to (B, H, L, S)");
     TORCH_CHECK(bias.device() == query.device(), kFlexOp, ": bias is on ", bias.device(),
                 ", the query on ", query.device());
-    const std::vector<int64_t> scores{query.size(0), query.size(1), query.size(2), key.size(2)};
-    bool broadcasts = true;
-    for (int64_t d = 1; d <= bias.dim(); ++d) {
-      const int64_t n = bias.size(-d);
-      broadcasts = broadcasts && (n == 1 || n == scores[4 - d]);
-    }
-    TORCH_CHECK(broadcasts, kFlexOp, ": bias of shape ", bias.sizes(),
-                " does not broadcast to (B, H, L, S) = ", scores);
+    const std::vector<c10::SymInt> scores{query.sym_size(0), query.sym_size(1),
+                                          query.sym_size(2), key.sym_size(2)};
+    TORCH_CHECK(ops::mask_broadcasts_to(bias.sym_sizes(), scores), kFlexOp, ": bias of shape ",
+                bias.sizes(), " does not broadcast to (B, H, L, S) = ",
+                c10::SymIntArrayRef(scores));
     const at::Tensor b = bias.to(query.scalar_type());
     // (A hidden score is -inf whatever its bias: the bias's gradient is 0 there.)
     mask = mask ? at::where(*mask, b, -std::numeric_limits<double>::infinity()) : b;
