@@ -462,13 +462,12 @@ FUSEDMHA_HOST_DEVICE BackwardParams sequence_of(const BackwardParams& bp, int64_
   return s;
 }
 
-// What only the CPU kernels read: key spans and mask tiles (found by the
-// CPU host's mask scans, ops/mask_structure.h and ops/mask_tiles.h) and dQ
-// split into several copies. The CUDA launchers refuse params that set them
-// (csrc/cuda/attention_cuda.cpp).
-inline bool uses_cpu_only_fields(const AttentionParams& p) {
-  return p.key_spans != nullptr || p.mask_tiles.data != nullptr;
-}
+// What only the CPU kernels read: key spans (found by the CPU host's mask
+// scan, ops/mask_structure.h) and dQ split into several copies. The CUDA
+// launchers refuse params that set them (csrc/cuda/attention_cuda.cpp).
+// (Mask tiles are a hint beside the mask, which stays: the CUDA forward
+// skips by them, and the kernels that do not read them read the mask.)
+inline bool uses_cpu_only_fields(const AttentionParams& p) { return p.key_spans != nullptr; }
 inline bool uses_cpu_only_fields(const BackwardParams& bp) {
   return uses_cpu_only_fields(bp.fwd) || bp.grad_q_splits != 1;
 }

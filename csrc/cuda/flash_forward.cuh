@@ -7,8 +7,8 @@
 // and the next K's load overlapping softmax and P·V. Scores and the
 // running output stay in registers; softmax is online, in base 2 (exp2),
 // with log2(e) applied after softcap and ALiBi. Key tiles outside the band
-// (causal, sliding window) are not visited; a sink starts the running max
-// and sum. Included by one instance file per dtype and head-dim group,
+// (causal, sliding window) are not visited, nor those the mask's tiles hide
+// whole; a sink starts the running max and sum. Included by one instance file per dtype and head-dim group,
 // generated into the build tree from flash_instance.cu.in.
 
 #include "cuda/device_utils.cuh"
@@ -67,11 +67,25 @@ __global__ void __launch_bounds__(kThreads) kernel(const AttentionParams params)
   const float scale = static_cast<float>(p.scale);
   const bool has_mask = p.mask_kind != MaskKind::None;
 
+  // Key tiles whose mask tiles (AttentionParams::mask_tiles, where the host
+  // found them) hide every key of these rows are not visited, as a band's
+  // are not; tiles they show whole take no mask.
+  auto tile_state = [&](int jt) {
+    const int64_t k0 = kv_begin + int64_t(jt) * kBlockKV;
+    return mask_tiles_over(p, o, q0, q_rows, k0, min64(kBlockKV, kv_end - k0));
+  };
+  auto seen_from = [&](int jt) {
+    while (jt < n_kv_tiles && tile_state(jt) == kTileHidden) ++jt;
+    return jt;
+  };
+  const int first = seen_from(0);
+
   q_tile.template load_async<kThreads>(q, p.q.row_stride, q_rows, dk, tid);
   cp_async_commit();
-  if (n_kv_tiles > 0) {
-    k_tile.template load_async<kThreads>(k + kv_begin * p.k.row_stride, p.k.row_stride,
-                                         static_cast<int>(min64(kBlockKV, kv_end - kv_begin)), dk, tid);
+  if (first < n_kv_tiles) {
+    const int64_t k1 = kv_begin + int64_t(first) * kBlockKV;
+    k_tile.template load_async<kThreads>(k + k1 * p.k.row_stride, p.k.row_stride,
+                                         static_cast<int>(min64(kBlockKV, kv_end - k1)), dk, tid);
   }
   cp_async_commit();
 
@@ -88,9 +102,11 @@ __global__ void __launch_bounds__(kThreads) kernel(const AttentionParams params)
   float m_row[2] = {m_start, m_start}, l_row[2] = {l_start, l_start};
   const int64_t row_of[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
 
-  for (int jt = 0; jt < n_kv_tiles; ++jt) {
+  for (int jt = first, next; jt < n_kv_tiles; jt = next) {
+    next = seen_from(jt + 1);
     const int64_t k0 = kv_begin + int64_t(jt) * kBlockKV;
     const int kv_rows = static_cast<int>(min64(kBlockKV, kv_end - k0));
+    const bool tile_mask = has_mask && tile_state(jt) != kTileVisible;
     v_tile.template load_async<kThreads>(v + k0 * p.v.row_stride, p.v.row_stride, kv_rows, dv, tid);
     cp_async_commit();
     cp_async_wait<1>();  // Q and this K
@@ -101,8 +117,8 @@ __global__ void __launch_bounds__(kThreads) kernel(const AttentionParams params)
     for (int n = 0; n < kBlockKV / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
     warp_mma<false, false, D / 16, kBlockKV / 16, T>(s, q_tile, warp * 16, 0, k_tile, 0, 0, lane);
     __syncthreads();  // every warp is done with K
-    if (jt + 1 < n_kv_tiles) {
-      const int64_t k1 = k0 + kBlockKV;
+    if (next < n_kv_tiles) {
+      const int64_t k1 = kv_begin + int64_t(next) * kBlockKV;
       k_tile.template load_async<kThreads>(k + k1 * p.k.row_stride, p.k.row_stride,
                                            static_cast<int>(min64(kBlockKV, kv_end - k1)), dk, tid);
     }
@@ -119,7 +135,7 @@ __global__ void __launch_bounds__(kThreads) kernel(const AttentionParams params)
         float x = transformed_score(p, s[n][e] * scale, slope, row_of[h], j);
         if (j >= kv_end || (band && !in_band(p, row_of[h], j))) {
           x = -INFINITY;
-        } else if (has_mask && row_of[h] < p.len_q) {
+        } else if (tile_mask && row_of[h] < p.len_q) {
           x += mask_term(p, mask_base, row_of[h], j);
         }
         s[n][e] = x * kLog2e;
@@ -188,7 +204,7 @@ __global__ void __launch_bounds__(kThreads) kernel(const AttentionParams params)
       pa[ks][3] = pack2<T>(s[2 * ks + 1][2], s[2 * ks + 1][3]);
     }
 
-    if (jt + 1 < n_kv_tiles) {
+    if (next < n_kv_tiles) {
       cp_async_wait<1>();  // this V (the next K may still be in flight)
     } else {
       cp_async_wait<0>();

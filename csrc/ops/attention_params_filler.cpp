@@ -279,9 +279,8 @@ bool AttentionCall::use_mask_structure(const at::Tensor& mask) {
 
 void AttentionCall::use_mask_tiles(const at::Tensor& mask) {
   AttentionParams& p = inputs_;
-  // Mask tiles are a field of the CPU kernels only (uses_cpu_only_fields);
-  // packed query heads read a mask's rows as rows of other heads.
-  if (!query_.is_cpu() || group_ > 1 || p.num_outer == 0) return;
+  // (Packed query heads read a mask's rows as rows of other heads.)
+  if (group_ > 1 || p.num_outer == 0) return;
   std::optional<MaskTiles> t = find_mask_tiles(mask, p.len_q, p.len_kv);
   if (!t || !t->any_uniform) return;
   if (t->all_visible && p.mask_kind == MaskKind::Bool) {

@@ -1,5 +1,6 @@
 #include "ops/mask_tiles.h"
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
@@ -112,9 +113,48 @@ void scan(const at::Tensor& mask, const std::vector<int64_t>& offsets, int64_t l
 
 }  // namespace
 
+MaskTiles mask_tiles_on_device(const at::Tensor& mask, int64_t len_q, int64_t len_kv) {
+  at::Tensor m = mask;
+  for (int64_t d = 0; d < mask.dim() - 2; ++d) {  // (one matrix where a dim broadcasts)
+    if (mask.size(d) == 1 || mask.stride(d) == 0) m = m.narrow(d, 0, 1);
+  }
+  if (m.dim() < 2) m = m.unsqueeze(0);
+  std::vector<int64_t> sizes(m.sizes().begin(), m.sizes().end() - 2);
+  sizes.push_back(len_q);
+  sizes.push_back(len_kv);
+  m = m.expand(sizes);
+  const bool is_bool = m.scalar_type() == at::kBool;
+  const at::Tensor seen = is_bool ? m : m == 0;
+  const at::Tensor hidden =
+      is_bool ? m.logical_not() : m == -std::numeric_limits<double>::infinity();
+  const int64_t tq = (len_q + kMaskTileRows - 1) / kMaskTileRows;
+  const int64_t tk = (len_kv + kMaskTileKeys - 1) / kMaskTileKeys;
+  // Every element of a tile, padded with elements that agree with all.
+  auto every = [&](const at::Tensor& x) {
+    at::Tensor padded = at::constant_pad_nd(
+        x, {0, tk * kMaskTileKeys - len_kv, 0, tq * kMaskTileRows - len_q}, 1);
+    std::vector<int64_t> tiles(sizes.begin(), sizes.end() - 2);
+    for (const int64_t n : {tq, kMaskTileRows, tk, kMaskTileKeys}) tiles.push_back(n);
+    const int64_t last = static_cast<int64_t>(tiles.size()) - 1;
+    return padded.reshape(tiles).all(last).all(last - 2);
+  };
+  MaskTiles t;
+  t.states = at::where(every(seen), int64_t{kTileVisible},
+                       at::where(every(hidden), int64_t{kTileHidden}, int64_t{kTileMixed}))
+                 .to(at::kByte);
+  t.any_uniform = true;
+  return t;
+}
+
 std::optional<MaskTiles> find_mask_tiles(const at::Tensor& mask, int64_t len_q,
                                          int64_t len_kv) {
-  if (!mask.is_cpu() || mask.dim() < 1 || len_q <= 0 || len_kv <= 0) return std::nullopt;
+  if (mask.dim() < 1 || len_q <= 0 || len_kv <= 0) return std::nullopt;
+  if (!mask.is_cpu()) {
+    if (!at::isFloatingType(mask.scalar_type()) && mask.scalar_type() != at::kBool) {
+      return std::nullopt;
+    }
+    return mask_tiles_on_device(mask, len_q, len_kv);
+  }
   // The tiles of each distinct matrix of the mask: dims of size 1 or stride
   // 0 hold one, and so do the tiles' there.
   std::vector<int64_t> sizes, offsets{0};

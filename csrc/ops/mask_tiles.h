@@ -4,10 +4,12 @@
 // not a band or key padding (ops/mask_structure.h) may still leave whole
 // tiles of the scores hidden — document masking of packed sequences,
 // prefix-LM, the BlockMasks of fusedmha.flex_attention — and the CPU kernels
-// then skip those tiles (no scores, no softmax, no mask read) and add no
-// mask to the tiles that hide nothing (AttentionParams::mask_tiles).
+// and the CUDA forward then skip those tiles (no scores, no softmax, no mask
+// read) and add no mask to the tiles that hide nothing
+// (AttentionParams::mask_tiles).
 
 #include <ATen/core/Tensor.h>
+#include <fusedmha/macros.h>
 
 #include <optional>
 
@@ -22,10 +24,18 @@ struct MaskTiles {
   bool any_uniform = false;  // some tile hides every key or none
 };
 
-// The tiles of mask (CPU; bool, true = may attend, or floating point, where
-// 0 is seen and −inf hidden, and any other value is a value to add) for a
-// call of len_q queries and len_kv keys, read in place through its strides
-// in one pass split among the threads; nullopt for another dtype or device.
-std::optional<MaskTiles> find_mask_tiles(const at::Tensor& mask, int64_t len_q, int64_t len_kv);
+// The same tiles found with ATen ops on the mask's own device, with no copy
+// to the host and no wait for it (what a CUDA mask takes): any_uniform is
+// set and all_visible is not, as neither is known without a wait. (Both
+// are exported for the tests, which compare the two on the CPU.)
+FUSEDMHA_API MaskTiles mask_tiles_on_device(const at::Tensor& mask, int64_t len_q, int64_t len_kv);
+
+// The tiles of mask (bool, true = may attend, or floating point, where 0 is
+// seen and −inf hidden, and any other value is a value to add) for a call
+// of len_q queries and len_kv keys: on the CPU read in place through its
+// strides in one pass split among the threads, on another device
+// mask_tiles_on_device's; nullopt for another dtype.
+FUSEDMHA_API std::optional<MaskTiles> find_mask_tiles(const at::Tensor& mask, int64_t len_q,
+                                                      int64_t len_kv);
 
 }  // namespace fusedmha::ops

@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include "expect_error.h"
+#include "ops/mask_tiles.h"
 
 #include <array>
 #include <string>
@@ -116,6 +117,30 @@ TEST(Attention, FullyMaskedRowIsZero) {
   const auto out = fusedmha::scaled_dot_product_attention(q, k, v, mask);
   EXPECT_TRUE(torch::equal(out.index({Slice(), Slice(), 2}), torch::zeros({1, 2, 8})));
   EXPECT_FALSE(out.isnan().any().item<bool>());
+}
+
+// The tiles a CUDA mask takes (found with ATen ops, on the mask's device)
+// equal the CPU's scan: bool and float masks, broadcast batch, heads and
+// rows, lengths that are not multiples of the tiles.
+TEST(Attention, MaskTilesOnDeviceEqualTheScan) {
+  torch::manual_seed(0);
+  const int64_t L = 70, S = 200;
+  const auto rows = torch::arange(L).view({L, 1}), keys = torch::arange(S).view({1, S});
+  const auto document = (rows / 32) == (keys / 64);  // (whole tiles seen, hidden and mixed)
+  const std::vector<torch::Tensor> masks = {
+      document.view({1, 1, L, S}).expand({2, 3, L, S}),
+      torch::logical_and(document, torch::rand({2, 1, L, S}) > 0.01),
+      keys.view({1, 1, 1, S}).expand({2, 1, 1, S}) < torch::tensor({150, 64}).view({2, 1, 1, 1}),
+      torch::where(document, 0.0, -INFINITY).view({L, S}),
+      torch::where(document, torch::rand({L, S}), -INFINITY).to(torch::kHalf),
+      torch::zeros({S})};
+  for (const auto& mask : masks) {
+    const auto scan = fusedmha::ops::find_mask_tiles(mask, L, S);
+    ASSERT_TRUE(scan.has_value());
+    const auto on_device = fusedmha::ops::mask_tiles_on_device(mask, L, S);
+    EXPECT_TRUE(torch::equal(on_device.states, scan->states)) << mask.sizes();
+    EXPECT_TRUE(on_device.any_uniform);
+  }
 }
 
 TEST(Attention, GroupedQueryAttention) {

@@ -1,0 +1,134 @@
+// The tensor-core forward's mask tiles (AttentionParams::mask_tiles), run on
+// the CPU through cuda/emulation.h: a key tile whose mask tile hides every
+// key of a query tile is not visited, and one it shows whole takes no mask.
+//
+// Each case runs the kernel twice: once with a document-like bool mask and
+// no tiles, once with that mask's tiles and a copy of the mask scrambled
+// where the tiles say it is uniform (hidden elements set to seen, seen
+// elements to hidden). The kernel reads neither, so both outputs agree bit
+// for bit; a kernel that read them would differ. test_cuda_emulated.cpp
+// checks the mask path itself against float64.
+
+#include "cuda/flash_config.h"
+#include "cuda/flash_forward.cuh"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+namespace fusedmha::cuda {
+namespace {
+
+struct Case {
+  int B, H, L, S;
+  bool causal;
+  double dropout;
+};
+
+// A (B, H, rows, cols) contiguous array as a Matrix.
+template <typename T>
+Matrix matrix_of(std::vector<T>& x, int H, int rows, int cols) {
+  Matrix m;
+  m.data = x.data();
+  m.outer_stride[0] = int64_t(H) * rows * cols;
+  m.outer_stride[1] = int64_t(rows) * cols;
+  m.row_stride = cols;
+  return m;
+}
+
+std::vector<__half> run(const Case& c, std::vector<__half>& q, std::vector<__half>& k,
+                        std::vector<__half>& v, std::vector<unsigned char>& mask,
+                        std::vector<uint8_t>* tiles) {
+  constexpr int E = 64;
+  AttentionParams p;
+  p.dtype = DType::Float16;
+  p.outer.dims = 2;
+  p.outer.size[0] = c.B;
+  p.outer.size[1] = c.H;
+  p.num_outer = int64_t(c.B) * c.H;
+  p.len_q = c.L;
+  p.len_kv = c.S;
+  p.dim_qk = p.dim_v = E;
+  p.q = matrix_of(q, c.H, c.L, E);
+  p.k = matrix_of(k, c.H, c.S, E);
+  p.v = matrix_of(v, c.H, c.S, E);
+  p.scale = 0.125;
+  p.window_right = c.causal ? 0 : -1;
+  p.mask_kind = MaskKind::Bool;
+  p.mask = matrix_of(mask, 1, c.L, c.S);  // (B, 1, L, S): heads broadcast
+  p.mask.outer_stride[1] = 0;
+  const int tq = (c.L + kMaskTileRows - 1) / kMaskTileRows;
+  const int tk = (c.S + kMaskTileKeys - 1) / kMaskTileKeys;
+  if (tiles) {
+    p.mask_tiles = matrix_of(*tiles, 1, tq, tk);
+    p.mask_tiles.outer_stride[1] = 0;
+  }
+  int64_t rng_state[2];
+  if (c.dropout > 0) {
+    p.dropout.p = c.dropout;
+    p.dropout.threshold = dropout_threshold(c.dropout);
+    p.dropout.seed = 7;
+  }
+  p.dropout.state_out = rng_state;
+  std::vector<__half> out(size_t(c.B) * c.H * c.L * E);
+  std::vector<float> lse(size_t(c.B) * c.H * c.L);
+  p.out = matrix_of(out, c.H, c.L, E);
+  p.lse = matrix_of(lse, c.H, c.L, 1);
+  const unsigned blocks =
+      unsigned((c.L + flash_fwd::kBlockQ - 1) / flash_fwd::kBlockQ * p.num_outer);
+  emulation::launch(blocks, flash_fwd::kThreads, flash_fwd::smem_bytes(E),
+                    [&] { flash_fwd::kernel<__half, E>(p); });
+  for (const float x : lse) out.push_back(__float2half(x));  // (compared too)
+  return out;
+}
+
+TEST(CudaMaskTiles, HiddenTilesSkippedSeenTilesUnmasked) {
+  for (const Case c : {Case{2, 2, 150, 330, false, 0.0}, Case{1, 2, 200, 260, true, 0.2},
+                       Case{1, 1, 70, 64 * 6, false, 0.0}}) {
+    std::mt19937 rng(c.L + c.S);
+    std::normal_distribution<float> normal;
+    auto filled = [&](size_t n) {
+      std::vector<__half> x(n);
+      for (auto& e : x) e = __float2half(normal(rng));
+      return x;
+    };
+    std::vector<__half> q = filled(size_t(c.B) * c.H * c.L * 64);
+    std::vector<__half> k = filled(size_t(c.B) * c.H * c.S * 64), v = filled(k.size());
+    // Documents over whole tiles of the kernel's (kBlockQ rows × 64 keys,
+    // as it reads the tiles), each batch index its own, some mixed; the
+    // second tile of rows sees nothing.
+    std::bernoulli_distribution coin(0.5);
+    const int tq = (c.L + kMaskTileRows - 1) / kMaskTileRows;
+    const int tk = (c.S + kMaskTileKeys - 1) / kMaskTileKeys;
+    std::vector<unsigned char> mask(size_t(c.B) * c.L * c.S);
+    std::vector<uint8_t> tiles(size_t(c.B) * tq * tk, 0);
+    for (size_t n = 0; n < mask.size(); ++n) {
+      const int b = int(n / (size_t(c.L) * c.S)), i = int(n / c.S % c.L), j = int(n % c.S);
+      const int rows = i / flash_fwd::kBlockQ, kind = (rows + j / kMaskTileKeys + b) % 3;
+      mask[n] = rows == 1 ? 0 : kind == 0 ? 1 : kind == 1 ? 0 : coin(rng);
+      tiles[(size_t(b) * tq + i / kMaskTileRows) * tk + j / kMaskTileKeys] |=
+          mask[n] ? kTileVisible : kTileHidden;
+    }
+    std::vector<unsigned char> scrambled = mask;
+    size_t changed = 0;
+    for (size_t n = 0; n < mask.size(); ++n) {
+      const int b = int(n / (size_t(c.L) * c.S)), i = int(n / c.S % c.L), j = int(n % c.S);
+      const uint8_t state = tiles[(size_t(b) * tq + i / kMaskTileRows) * tk + j / kMaskTileKeys];
+      if (state != kTileMixed) scrambled[n] = !mask[n], ++changed;
+    }
+    ASSERT_GT(changed, mask.size() / 3);
+    const std::vector<__half> expected = run(c, q, k, v, mask, nullptr);
+    const std::vector<__half> got = run(c, q, k, v, scrambled, &tiles);
+    size_t differ = 0;
+    for (size_t n = 0; n < got.size(); ++n) {
+      const float a = __half2float(expected[n]), b = __half2float(got[n]);
+      differ += !(a == b || (std::isnan(a) && std::isnan(b)));
+    }
+    EXPECT_EQ(differ, 0u) << "L=" << c.L << " S=" << c.S << " causal=" << c.causal;
+  }
+}
+
+}  // namespace
+}  // namespace fusedmha::cuda
