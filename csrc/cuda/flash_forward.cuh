@@ -8,8 +8,9 @@
 // running output stay in registers; softmax is online, in base 2 (exp2),
 // with log2(e) applied after softcap and ALiBi. Key tiles outside the band
 // (causal, sliding window) are not visited, nor those the mask's tiles hide
-// whole; a sink starts the running max and sum. Included by one instance file per dtype and head-dim group,
-// generated into the build tree from flash_instance.cu.in.
+// whole; a sink starts the running max and sum. Included by one instance
+// file per dtype and head-dim group, generated into the build tree from
+// flash_instance.cu.in.
 
 #include "cuda/device_utils.cuh"
 #include "cuda/flash_config.h"
