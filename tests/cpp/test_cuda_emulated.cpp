@@ -16,6 +16,7 @@
 #include "cuda/flash_config.h"
 #include "cuda/flash_forward.cuh"
 #include "cuda/simple_kernels.cuh"
+#include "cuda_emulated_matrix.h"
 
 #include <gtest/gtest.h>
 
@@ -113,18 +114,6 @@ struct Tensor4 {
     return m;
   }
 };
-
-// A dense (B, H, rows, cols) array of the kernels' accumulators (lse,
-// delta, gradients) as a Matrix.
-template <typename A>
-Matrix dense(std::vector<A>& values, int H, int rows, int cols) {
-  Matrix m;
-  m.data = values.data();
-  m.outer_stride[0] = int64_t(H) * rows * cols;
-  m.outer_stride[1] = int64_t(rows) * cols;
-  m.row_stride = cols;
-  return m;
-}
 
 struct Problem {
   Case c;

@@ -11,6 +11,7 @@
 
 #include "cuda/flash_config.h"
 #include "cuda/flash_forward.cuh"
+#include "cuda_emulated_matrix.h"
 
 #include <gtest/gtest.h>
 
@@ -27,17 +28,6 @@ struct Case {
   double dropout;
 };
 
-// A (B, H, rows, cols) contiguous array as a Matrix.
-template <typename T>
-Matrix matrix_of(std::vector<T>& x, int H, int rows, int cols) {
-  Matrix m;
-  m.data = x.data();
-  m.outer_stride[0] = int64_t(H) * rows * cols;
-  m.outer_stride[1] = int64_t(rows) * cols;
-  m.row_stride = cols;
-  return m;
-}
-
 std::vector<__half> run(const Case& c, std::vector<__half>& q, std::vector<__half>& k,
                         std::vector<__half>& v, std::vector<unsigned char>& mask,
                         std::vector<uint8_t>* tiles) {
@@ -51,18 +41,18 @@ std::vector<__half> run(const Case& c, std::vector<__half>& q, std::vector<__hal
   p.len_q = c.L;
   p.len_kv = c.S;
   p.dim_qk = p.dim_v = E;
-  p.q = matrix_of(q, c.H, c.L, E);
-  p.k = matrix_of(k, c.H, c.S, E);
-  p.v = matrix_of(v, c.H, c.S, E);
+  p.q = dense(q, c.H, c.L, E);
+  p.k = dense(k, c.H, c.S, E);
+  p.v = dense(v, c.H, c.S, E);
   p.scale = 0.125;
   p.window_right = c.causal ? 0 : -1;
   p.mask_kind = MaskKind::Bool;
-  p.mask = matrix_of(mask, 1, c.L, c.S);  // (B, 1, L, S): heads broadcast
+  p.mask = dense(mask, 1, c.L, c.S);  // (B, 1, L, S): heads broadcast
   p.mask.outer_stride[1] = 0;
   const int tq = (c.L + kMaskTileRows - 1) / kMaskTileRows;
   const int tk = (c.S + kMaskTileKeys - 1) / kMaskTileKeys;
   if (tiles) {
-    p.mask_tiles = matrix_of(*tiles, 1, tq, tk);
+    p.mask_tiles = dense(*tiles, 1, tq, tk);
     p.mask_tiles.outer_stride[1] = 0;
   }
   int64_t rng_state[2];
@@ -74,8 +64,8 @@ std::vector<__half> run(const Case& c, std::vector<__half>& q, std::vector<__hal
   p.dropout.state_out = rng_state;
   std::vector<__half> out(size_t(c.B) * c.H * c.L * E);
   std::vector<float> lse(size_t(c.B) * c.H * c.L);
-  p.out = matrix_of(out, c.H, c.L, E);
-  p.lse = matrix_of(lse, c.H, c.L, 1);
+  p.out = dense(out, c.H, c.L, E);
+  p.lse = dense(lse, c.H, c.L, 1);
   const unsigned blocks =
       unsigned((c.L + flash_fwd::kBlockQ - 1) / flash_fwd::kBlockQ * p.num_outer);
   emulation::launch(blocks, flash_fwd::kThreads, flash_fwd::smem_bytes(E),
