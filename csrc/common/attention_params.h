@@ -465,8 +465,8 @@ FUSEDMHA_HOST_DEVICE BackwardParams sequence_of(const BackwardParams& bp, int64_
 // What only the CPU kernels read: key spans (found by the CPU host's mask
 // scan, ops/mask_structure.h) and dQ split into several copies. The CUDA
 // launchers refuse params that set them (csrc/cuda/attention_cuda.cpp).
-// (Mask tiles are a hint beside the mask, which stays: the CUDA forward
-// skips by them, and the kernels that do not read them read the mask.)
+// (Mask tiles are a hint beside the mask, which stays: the CUDA tensor-core
+// kernels skip by them, and the kernels that do not read them read the mask.)
 inline bool uses_cpu_only_fields(const AttentionParams& p) { return p.key_spans != nullptr; }
 inline bool uses_cpu_only_fields(const BackwardParams& bp) {
   return uses_cpu_only_fields(bp.fwd) || bp.grad_q_splits != 1;

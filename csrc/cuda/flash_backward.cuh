@@ -11,7 +11,8 @@
 //   dV += (Pᵀ∘Z/(1−p))·dO,  dK += dSᵀ·Q                (in registers, all tiles)
 //   dQ += dS·K                                          (fp32 atomics into grad_q)
 // Pᵀ and dSᵀ go through shared memory, so each product uses the warp layout
-// that suits it. dK and dQ are scaled by `scale` on the way out.
+// that suits it. dK and dQ are scaled by `scale` on the way out. Query tiles
+// outside the band, or that the mask's tiles hide whole, are not visited.
 
 #include "cuda/device_utils.cuh"
 #include "cuda/flash_config.h"
@@ -90,6 +91,12 @@ __global__ void __launch_bounds__(kThreads) kernel(const BackwardParams params) 
   for (int64_t it = first_q_tile; it < n_q_tiles; ++it) {
     const int64_t q0 = it * kBlockQ;
     const int q_rows = static_cast<int>(min64(kBlockQ, p.len_q - q0));
+    // A query tile the mask's tiles (AttentionParams::mask_tiles) hide from
+    // these keys whole has P = 0 throughout: nothing to add, not visited
+    // (the whole CTA agrees). One they show whole takes no mask.
+    const uint8_t tile_state = mask_tiles_over(p, o, q0, q_rows, k0, kv_rows);
+    if (tile_state == kTileHidden) continue;
+    const bool tile_mask = has_mask && tile_state != kTileVisible;
     q_tile.template load_async<kThreads>(q + q0 * p.q.row_stride, p.q.row_stride, q_rows, dk, tid);
     do_tile.template load_async<kThreads>(dout + q0 * bp.grad_out.row_stride, bp.grad_out.row_stride,
                                           q_rows, dv, tid);
@@ -151,7 +158,7 @@ __global__ void __launch_bounds__(kThreads) kernel(const BackwardParams params) 
                                       softcap ? &dcap : nullptr);
           if (j >= p.len_kv || i >= p.len_q || (band && !in_band(p, i, j))) {
             x = -INFINITY;
-          } else if (has_mask) {
+          } else if (tile_mask) {
             x += mask_term(p, mask_base, i, j);
           }
           x *= kLog2e;

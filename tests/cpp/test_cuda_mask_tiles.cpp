@@ -1,14 +1,16 @@
-// The tensor-core forward's mask tiles (AttentionParams::mask_tiles), run on
-// the CPU through cuda/emulation.h: a key tile whose mask tile hides every
-// key of a query tile is not visited, and one it shows whole takes no mask.
+// The tensor-core forward's and backward's mask tiles
+// (AttentionParams::mask_tiles), run on the CPU through cuda/emulation.h: a
+// tile of the scores that the mask tiles hide whole is not visited, and one
+// they show whole takes no mask.
 //
-// Each case runs the kernel twice: once with a document-like bool mask and
+// Each case runs the kernels twice: once with a document-like bool mask and
 // no tiles, once with that mask's tiles and a copy of the mask scrambled
 // where the tiles say it is uniform (hidden elements set to seen, seen
-// elements to hidden). The kernel reads neither, so both outputs agree bit
-// for bit; a kernel that read them would differ. test_cuda_emulated.cpp
-// checks the mask path itself against float64.
+// elements to hidden). The kernels read neither, so both runs' outputs and
+// gradients agree bit for bit; kernels that read them would differ.
+// test_cuda_emulated.cpp checks the mask path itself against float64.
 
+#include "cuda/flash_backward.cuh"
 #include "cuda/flash_config.h"
 #include "cuda/flash_forward.cuh"
 #include "cuda_emulated_matrix.h"
@@ -28,9 +30,11 @@ struct Case {
   double dropout;
 };
 
-std::vector<__half> run(const Case& c, std::vector<__half>& q, std::vector<__half>& k,
-                        std::vector<__half>& v, std::vector<unsigned char>& mask,
-                        std::vector<uint8_t>* tiles) {
+// The forward's output and lse, then the backward's dQ, dK and dV (from dO
+// and any delta: the two runs compared take the same).
+std::vector<float> run(const Case& c, std::vector<__half>& q, std::vector<__half>& k,
+                       std::vector<__half>& v, std::vector<__half>& dout, std::vector<float>& delta,
+                       std::vector<unsigned char>& mask, std::vector<uint8_t>* tiles) {
   constexpr int E = 64;
   AttentionParams p;
   p.dtype = DType::Float16;
@@ -66,15 +70,33 @@ std::vector<__half> run(const Case& c, std::vector<__half>& q, std::vector<__hal
   std::vector<float> lse(size_t(c.B) * c.H * c.L);
   p.out = dense(out, c.H, c.L, E);
   p.lse = dense(lse, c.H, c.L, 1);
-  const unsigned blocks =
+  const unsigned q_blocks =
       unsigned((c.L + flash_fwd::kBlockQ - 1) / flash_fwd::kBlockQ * p.num_outer);
-  emulation::launch(blocks, flash_fwd::kThreads, flash_fwd::smem_bytes(E),
+  emulation::launch(q_blocks, flash_fwd::kThreads, flash_fwd::smem_bytes(E),
                     [&] { flash_fwd::kernel<__half, E>(p); });
-  for (const float x : lse) out.push_back(__float2half(x));  // (compared too)
-  return out;
+
+  BackwardParams bp;
+  bp.fwd = p;
+  bp.fwd.dropout.state_out = nullptr;
+  bp.fwd.dropout.state_in = c.dropout > 0 ? rng_state : nullptr;
+  bp.grad_out = dense(dout, c.H, c.L, E);
+  bp.delta = dense(delta, c.H, c.L, 1);
+  std::vector<float> grad_q(q.size(), 0.0f), grad_k(k.size()), grad_v(v.size());
+  bp.grad_q = dense(grad_q, c.H, c.L, E);
+  bp.grad_k = dense(grad_k, c.H, c.S, E);
+  bp.grad_v = dense(grad_v, c.H, c.S, E);
+  const unsigned kv_blocks =
+      unsigned((c.S + flash_bwd::kBlockKV - 1) / flash_bwd::kBlockKV * p.num_outer);
+  emulation::launch(kv_blocks, flash_bwd::kThreads, flash_bwd::smem_bytes(E),
+                    [&] { flash_bwd::kernel<__half, E>(bp); });
+
+  std::vector<float> all(lse);
+  for (const __half x : out) all.push_back(__half2float(x));
+  for (const auto* g : {&grad_q, &grad_k, &grad_v}) all.insert(all.end(), g->begin(), g->end());
+  return all;
 }
 
-TEST(CudaMaskTiles, HiddenTilesSkippedSeenTilesUnmasked) {
+TEST(CudaMaskTiles, ForwardAndBackwardSkipHiddenTilesAndUnmaskSeenOnes) {
   for (const Case c : {Case{2, 2, 150, 330, false, 0.0}, Case{1, 2, 200, 260, true, 0.2},
                        Case{1, 1, 70, 64 * 6, false, 0.0}}) {
     std::mt19937 rng(c.L + c.S);
@@ -86,6 +108,9 @@ TEST(CudaMaskTiles, HiddenTilesSkippedSeenTilesUnmasked) {
     };
     std::vector<__half> q = filled(size_t(c.B) * c.H * c.L * 64);
     std::vector<__half> k = filled(size_t(c.B) * c.H * c.S * 64), v = filled(k.size());
+    std::vector<__half> dout = filled(q.size());
+    std::vector<float> delta(size_t(c.B) * c.H * c.L);
+    for (auto& d : delta) d = normal(rng);
     // Documents over whole tiles of the kernel's (kBlockQ rows × 64 keys,
     // as it reads the tiles), each batch index its own, some mixed; the
     // second tile of rows sees nothing.
@@ -109,12 +134,11 @@ TEST(CudaMaskTiles, HiddenTilesSkippedSeenTilesUnmasked) {
       if (state != kTileMixed) scrambled[n] = !mask[n], ++changed;
     }
     ASSERT_GT(changed, mask.size() / 3);
-    const std::vector<__half> expected = run(c, q, k, v, mask, nullptr);
-    const std::vector<__half> got = run(c, q, k, v, scrambled, &tiles);
+    const std::vector<float> expected = run(c, q, k, v, dout, delta, mask, nullptr);
+    const std::vector<float> got = run(c, q, k, v, dout, delta, scrambled, &tiles);
     size_t differ = 0;
     for (size_t n = 0; n < got.size(); ++n) {
-      const float a = __half2float(expected[n]), b = __half2float(got[n]);
-      differ += !(a == b || (std::isnan(a) && std::isnan(b)));
+      differ += !(got[n] == expected[n] || (std::isnan(got[n]) && std::isnan(expected[n])));
     }
     EXPECT_EQ(differ, 0u) << "L=" << c.L << " S=" << c.S << " causal=" << c.causal;
   }
