@@ -161,9 +161,9 @@ struct AttentionParams {
   int64_t key_spans_group = 1;
   // What each tile of the mask holds (data null: not known), one
   // MaskTileState byte per tile of kMaskTileRows queries × kMaskTileKeys
-  // keys, laid out as the mask's tiles (broadcast where it is): the CPU
-  // host's scan sets it (ops/mask_tiles.h) and the kernels skip the tiles
-  // that hide every key and add nothing where a tile hides none.
+  // keys, laid out as the mask's tiles (broadcast where it is): the host
+  // finds it (ops/mask_tiles.h) and the kernels skip the tiles that hide
+  // every key and add nothing where a tile hides none.
   Matrix mask_tiles;
   Sequences seq;
   Pages pages;

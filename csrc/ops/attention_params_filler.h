@@ -194,9 +194,10 @@ class AttentionCall {
   // skip the hidden keys instead of reading the mask. False (and nothing
   // set) for any other mask.
   bool use_mask_structure(const at::Tensor& mask);
-  // Any other mask's tiles that hide every key or none (find_mask_tiles,
-  // CPU): the kernels skip the first and add no mask over the second. A
-  // bool mask that hides nothing is dropped.
+  // Any other mask's tiles that hide every key or none (find_mask_tiles;
+  // on CUDA a bool mask's, for the tensor-core kernels): the kernels skip the
+  // first and add no mask over the second. A bool mask that hides nothing is
+  // dropped (CPU).
   void use_mask_tiles(const at::Tensor& mask);
   // A per-head tensor (alibi_slopes, sinks) as one float64 per outer index.
   Matrix describe_per_head(const at::Tensor& t);

@@ -113,35 +113,43 @@ void scan(const at::Tensor& mask, const std::vector<int64_t>& offsets, int64_t l
 
 }  // namespace
 
-MaskTiles mask_tiles_on_device(const at::Tensor& mask, int64_t len_q, int64_t len_kv) {
-  at::Tensor m = mask;
-  for (int64_t d = 0; d < mask.dim() - 2; ++d) {  // (one matrix where a dim broadcasts)
-    if (mask.size(d) == 1 || mask.stride(d) == 0) m = m.narrow(d, 0, 1);
+std::optional<MaskTiles> mask_tiles_on_device(const at::Tensor& mask, int64_t len_q,
+                                              int64_t len_kv) {
+  if (mask.scalar_type() != at::kBool || mask.dim() < 1 || len_q <= 0 || len_kv <= 0) {
+    return std::nullopt;
   }
-  if (m.dim() < 2) m = m.unsqueeze(0);
-  std::vector<int64_t> sizes(m.sizes().begin(), m.sizes().end() - 2);
-  sizes.push_back(len_q);
-  sizes.push_back(len_kv);
-  m = m.expand(sizes);
-  const bool is_bool = m.scalar_type() == at::kBool;
-  const at::Tensor seen = is_bool ? m : m == 0;
-  const at::Tensor hidden =
-      is_bool ? m.logical_not() : m == -std::numeric_limits<double>::infinity();
-  const int64_t tq = (len_q + kMaskTileRows - 1) / kMaskTileRows;
-  const int64_t tk = (len_kv + kMaskTileKeys - 1) / kMaskTileKeys;
-  // Every element of a tile, padded with elements that agree with all.
-  auto every = [&](const at::Tensor& x) {
-    at::Tensor padded = at::constant_pad_nd(
-        x, {0, tk * kMaskTileKeys - len_kv, 0, tq * kMaskTileRows - len_q}, 1);
-    std::vector<int64_t> tiles(sizes.begin(), sizes.end() - 2);
-    for (const int64_t n : {tq, kMaskTileRows, tk, kMaskTileKeys}) tiles.push_back(n);
-    const int64_t last = static_cast<int64_t>(tiles.size()) - 1;
-    return padded.reshape(tiles).all(last).all(last - 2);
-  };
+  // The mask's own elements: one matrix where a dim broadcasts, and its rows
+  // or keys where it has one (a key padding row gives one row of tiles,
+  // which the kernels read for every query tile: its row stride is 0).
+  at::Tensor m = mask.dim() < 2 ? mask.unsqueeze(0) : mask;
+  for (int64_t d = 0; d < m.dim() - 2; ++d) {
+    if (m.size(d) == 1 || m.stride(d) == 0) m = m.narrow(d, 0, 1);
+  }
+  const int64_t rows = m.size(-2), keys = m.size(-1);  // (1, or the call's lengths)
+  const int64_t tq = (rows + kMaskTileRows - 1) / kMaskTileRows;
+  const int64_t tk = (keys + kMaskTileKeys - 1) / kMaskTileKeys;
+  const int64_t pad_rows = tq * kMaskTileRows - rows, pad_keys = tk * kMaskTileKeys - keys;
+  const at::Tensor padded =
+      pad_rows || pad_keys ? at::constant_pad_nd(m, {0, pad_keys, 0, pad_rows}, 0) : m;
+  std::vector<int64_t> tiles(m.sizes().begin(), m.sizes().end() - 2);
+  for (const int64_t n : {tq, kMaskTileRows, tk, kMaskTileKeys}) tiles.push_back(n);
+  const int64_t last = static_cast<int64_t>(tiles.size()) - 1;
+  // Seen elements per tile (padding is hidden), against the tile's count.
+  const at::Tensor seen = padded.reshape(tiles).sum({last - 2, last}, false, at::kInt);
+  const at::TensorOptions counts = seen.options();
+  const at::Tensor tile_rows = at::clamp_max(
+      rows - at::arange(tq, counts) * kMaskTileRows, kMaskTileRows).unsqueeze(1);
+  const at::Tensor tile_keys = at::clamp_max(keys - at::arange(tk, counts) * kMaskTileKeys,
+                                             kMaskTileKeys);
   MaskTiles t;
-  t.states = at::where(every(seen), int64_t{kTileVisible},
-                       at::where(every(hidden), int64_t{kTileHidden}, int64_t{kTileMixed}))
+  t.states = at::where(seen == tile_rows * tile_keys, int64_t{kTileVisible},
+                       at::where(seen == 0, int64_t{kTileHidden}, int64_t{kTileMixed}))
                  .to(at::kByte);
+  if (keys == 1 && len_kv > 1) {  // (the kernels index the tiles of the keys themselves)
+    std::vector<int64_t> sizes(t.states.sizes().begin(), t.states.sizes().end());
+    sizes.back() = (len_kv + kMaskTileKeys - 1) / kMaskTileKeys;
+    t.states = t.states.expand(sizes).contiguous();
+  }
   t.any_uniform = true;
   return t;
 }
@@ -149,12 +157,7 @@ MaskTiles mask_tiles_on_device(const at::Tensor& mask, int64_t len_q, int64_t le
 std::optional<MaskTiles> find_mask_tiles(const at::Tensor& mask, int64_t len_q,
                                          int64_t len_kv) {
   if (mask.dim() < 1 || len_q <= 0 || len_kv <= 0) return std::nullopt;
-  if (!mask.is_cpu()) {
-    if (!at::isFloatingType(mask.scalar_type()) && mask.scalar_type() != at::kBool) {
-      return std::nullopt;
-    }
-    return mask_tiles_on_device(mask, len_q, len_kv);
-  }
+  if (!mask.is_cpu()) return mask_tiles_on_device(mask, len_q, len_kv);
   // The tiles of each distinct matrix of the mask: dims of size 1 or stride
   // 0 hold one, and so do the tiles' there.
   std::vector<int64_t> sizes, offsets{0};

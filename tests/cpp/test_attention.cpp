@@ -119,28 +119,32 @@ TEST(Attention, FullyMaskedRowIsZero) {
   EXPECT_FALSE(out.isnan().any().item<bool>());
 }
 
-// The tiles a CUDA mask takes (found with ATen ops, on the mask's device)
-// equal the CPU's scan: bool and float masks, broadcast batch, heads and
-// rows, lengths that are not multiples of the tiles.
+// The tiles a CUDA bool mask takes (found with ATen ops, on the mask's
+// device) equal the CPU's scan: broadcast batch, heads, rows or keys,
+// lengths that are not multiples of the tiles; none for a float mask.
 TEST(Attention, MaskTilesOnDeviceEqualTheScan) {
   torch::manual_seed(0);
   const int64_t L = 70, S = 200;
   const auto rows = torch::arange(L).view({L, 1}), keys = torch::arange(S).view({1, S});
-  const auto document = (rows / 32) == (keys / 64);  // (whole tiles seen, hidden and mixed)
+  const auto document = (rows / 32) == (keys / 64);  // (whole tiles seen and hidden)
   const std::vector<torch::Tensor> masks = {
       document.view({1, 1, L, S}).expand({2, 3, L, S}),
-      torch::logical_and(document, torch::rand({2, 1, L, S}) > 0.01),
+      torch::logical_and(document, torch::rand({2, 1, L, S}) > 0.01),  // (and mixed)
       keys.view({1, 1, 1, S}).expand({2, 1, 1, S}) < torch::tensor({150, 64}).view({2, 1, 1, 1}),
-      torch::where(document, 0.0, -INFINITY).view({L, S}),
-      torch::where(document, torch::rand({L, S}), -INFINITY).to(torch::kHalf),
-      torch::zeros({S})};
+      (rows < 40).view({1, L, 1}).expand({3, L, S}),
+      torch::ones({S}, torch::kBool)};
   for (const auto& mask : masks) {
     const auto scan = fusedmha::ops::find_mask_tiles(mask, L, S);
     ASSERT_TRUE(scan.has_value());
-    const auto on_device = fusedmha::ops::mask_tiles_on_device(mask, L, S);
-    EXPECT_TRUE(torch::equal(on_device.states, scan->states)) << mask.sizes();
-    EXPECT_TRUE(on_device.any_uniform);
+    // (A mask of one key, as given: the scan reads it expanded.)
+    const auto one_key = mask.stride(-1) != 0 ? mask : mask.select(-1, 0).unsqueeze(-1);
+    const auto on_device = fusedmha::ops::mask_tiles_on_device(one_key, L, S);
+    ASSERT_TRUE(on_device.has_value());
+    EXPECT_TRUE(torch::equal(on_device->states.expand_as(scan->states), scan->states))
+        << mask.sizes();
+    EXPECT_TRUE(on_device->any_uniform);
   }
+  EXPECT_FALSE(fusedmha::ops::mask_tiles_on_device(torch::zeros({L, S}), L, S).has_value());
 }
 
 TEST(Attention, GroupedQueryAttention) {
