@@ -52,6 +52,7 @@ KernelTraits kernel_traits() {
   t.micro_rows = kMicroRows;
   t.decode_rows_float = decode_rows<float>();
   t.decode_rows_double = decode_rows<double>();
+  t.codes_in_registers = kCodesInRegisters;
   return t;
 }
 

@@ -100,6 +100,16 @@ int64_t decode_block(const AttentionParams& p, int64_t acc_bytes, int64_t l1d) {
   return std::clamp<int64_t>(keys, 8, kBlockKV);
 }
 
+// Where the kernel reads 8-bit codes or 16-bit rows in registers
+// (cpu/decode_codes.h): as many keys as make 4 KiB of a head's K rows (32
+// keys of int8 at head dim 128, 16 of bfloat16, 64 of int8 at 64), at least
+// 16 (docs/performance.md, "Decode key blocks of codes").
+int64_t register_decode_block(const AttentionParams& p) {
+  const int64_t element = p.kv_storage != KVStorage::Dense ? 1 : 2;
+  const int64_t keys = 4096 / std::max<int64_t>(element * p.dim_qk, 1) / 8 * 8;
+  return std::clamp<int64_t>(keys, 16, kBlockKV);
+}
+
 // Of the last outer dim's indices (decoding's heads), how many in a row read
 // the same rows of m (p.k or p.v): the query heads of a K/V head where they
 // are not read as rows of one item, all of them where m has a single head.
@@ -124,7 +134,11 @@ void plan_decode(const AttentionParams& p, const KernelTraits& isa, const CacheS
   const int64_t decode_rows = isa.decode_rows(f64);
   split.decode = true;
   split.row_splits = div_up(p.len_q, decode_rows);
-  split.block_kv = paged_block(p, decode_block(p, acc_bytes, caches.l1d));
+  const bool in_registers =
+      isa.codes_in_registers && (p.kv_storage != KVStorage::Dense || p.dtype == DType::BFloat16 ||
+                                 p.dtype == DType::Float16);
+  split.block_kv = paged_block(
+      p, in_registers ? register_decode_block(p) : decode_block(p, acc_bytes, caches.l1d));
   // The heads of a sequence (packed batches), else of the last outer dim.
   split.heads = std::max<int64_t>(
       p.seq.on() ? p.seq.heads : (p.outer.dims ? p.outer.size[p.outer.dims - 1] : 1), 1);

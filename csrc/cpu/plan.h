@@ -23,6 +23,9 @@ struct KernelTraits {
   // precision) calls and for float64 ones.
   int64_t decode_rows_float = 8;
   int64_t decode_rows_double = 8;
+  // Whether decoding reads 8-bit codes and 16-bit K/V rows in registers
+  // (cpu/decode_codes.h), with float accumulators.
+  bool codes_in_registers = false;
 
   // Two vectors: the micro-kernels' column width, the granule of query
   // blocks and padded head dims.
