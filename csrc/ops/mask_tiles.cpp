@@ -122,8 +122,8 @@ std::optional<MaskTiles> mask_tiles_on_device(const at::Tensor& mask, int64_t le
   // or keys where it has one (a key padding row gives one row of tiles,
   // which the kernels read for every query tile: its row stride is 0).
   at::Tensor m = mask.dim() < 2 ? mask.unsqueeze(0) : mask;
-  for (int64_t d = 0; d < m.dim() - 2; ++d) {
-    if (m.size(d) == 1 || m.stride(d) == 0) m = m.narrow(d, 0, 1);
+  for (int64_t d = 0; d < m.dim(); ++d) {  // (rows or keys expanded with stride 0 too)
+    if (m.size(d) > 1 && m.stride(d) == 0) m = m.narrow(d, 0, 1);
   }
   const int64_t rows = m.size(-2), keys = m.size(-1);  // (1, or the call's lengths)
   const int64_t tq = (rows + kMaskTileRows - 1) / kMaskTileRows;

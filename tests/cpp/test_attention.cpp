@@ -132,17 +132,20 @@ TEST(Attention, MaskTilesOnDeviceEqualTheScan) {
       torch::logical_and(document, torch::rand({2, 1, L, S}) > 0.01),  // (and mixed)
       keys.view({1, 1, 1, S}).expand({2, 1, 1, S}) < torch::tensor({150, 64}).view({2, 1, 1, 1}),
       (rows < 40).view({1, L, 1}).expand({3, L, S}),
+      (keys < 150).view({1, 1, 1, S}).expand({2, 1, L, S}),  // (rows of stride 0)
       torch::ones({S}, torch::kBool)};
   for (const auto& mask : masks) {
     const auto scan = fusedmha::ops::find_mask_tiles(mask, L, S);
     ASSERT_TRUE(scan.has_value());
-    // (A mask of one key, as given: the scan reads it expanded.)
+    // (Also a mask of one key as given, where the scan reads it expanded.)
     const auto one_key = mask.stride(-1) != 0 ? mask : mask.select(-1, 0).unsqueeze(-1);
-    const auto on_device = fusedmha::ops::mask_tiles_on_device(one_key, L, S);
-    ASSERT_TRUE(on_device.has_value());
-    EXPECT_TRUE(torch::equal(on_device->states.expand_as(scan->states), scan->states))
-        << mask.sizes();
-    EXPECT_TRUE(on_device->any_uniform);
+    for (const auto& given : {mask, one_key}) {
+      const auto on_device = fusedmha::ops::mask_tiles_on_device(given, L, S);
+      ASSERT_TRUE(on_device.has_value());
+      EXPECT_TRUE(torch::equal(on_device->states.expand_as(scan->states), scan->states))
+          << given.sizes() << given.strides();
+      EXPECT_TRUE(on_device->any_uniform);
+    }
   }
   EXPECT_FALSE(fusedmha::ops::mask_tiles_on_device(torch::zeros({L, S}), L, S).has_value());
 }
