@@ -103,10 +103,6 @@ def main():
             if rank == 0:
                 print(f"step {step:4d}  loss {stats[0].item() / world:.3f}  "
                       f"copy accuracy {stats[1].item() / scored.item():.1%}", flush=True)
-    # DDP's reducer goes while its group is up, once every rank is done: torch 2.15 can abort
-    # at exit otherwise.
-    del model, opt
-    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -31,7 +31,7 @@ from typing import List
 import pytest
 
 import fusedmha
-from spawn_ranks import free_port
+from spawn_ranks import free_port, torchrun_passed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PAGES = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob(os.path.join(ROOT, "docs", "*.md")))
@@ -124,13 +124,15 @@ def missing_transformers():
 
 def run_under_torchrun(block, tmp_path, world=2):
     script = tmp_path / f"block_{block.line}.py"
-    script.write_text(block.text)
+    done = f"{block.where} ran through"  # (each rank's last line: spawn_ranks.torchrun_passed)
+    script.write_text(f"{block.text}\nprint({done!r}, flush=True)\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [PACKAGE_PATH] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                           str(world), "--master-port", str(free_port()), str(script)],
                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
-    assert res.returncode == 0, f"{block.where} under torchrun:\n{res.stdout}\n{res.stderr}"
+    assert torchrun_passed(res, done, world), \
+        f"{block.where} under torchrun:\n{res.stdout}\n{res.stderr}"
 
 
 PYTHON_PAGES = sorted({b.page for b in BLOCKS if b.lang == "python"})
