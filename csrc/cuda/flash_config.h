@@ -28,6 +28,10 @@ constexpr size_t smem_bytes(int head_dim) {
 }
 }  // namespace flash_bwd
 
+// The largest head dim the tensor-core kernels take (float16/bfloat16 on
+// sm_80 and newer); larger ones run the simple kernels.
+constexpr int kFlashMaxHeadDim = 256;
+
 // The head dim an instance is compiled for: the smallest of 64, 128, 256
 // that holds the call's query/key and value head dims.
 constexpr int flash_head_dim_group(long long dim_qk, long long dim_v) {

@@ -75,11 +75,17 @@ __global__ void __launch_bounds__(kThreads) kernel(const AttentionParams params)
     const int64_t k0 = kv_begin + int64_t(jt) * kBlockKV;
     return mask_tiles_over(p, o, q0, q_rows, k0, min64(kBlockKV, kv_end - k0));
   };
+  // The first tile from jt on that is not hidden; its state into `found`.
+  uint8_t found = kTileMixed;
   auto seen_from = [&](int jt) {
-    while (jt < n_kv_tiles && tile_state(jt) == kTileHidden) ++jt;
+    for (; jt < n_kv_tiles; ++jt) {
+      found = tile_state(jt);
+      if (found != kTileHidden) break;
+    }
     return jt;
   };
   const int first = seen_from(0);
+  uint8_t state = found;  // (tile jt's, in the loop)
 
   q_tile.template load_async<kThreads>(q, p.q.row_stride, q_rows, dk, tid);
   cp_async_commit();
@@ -103,11 +109,11 @@ __global__ void __launch_bounds__(kThreads) kernel(const AttentionParams params)
   float m_row[2] = {m_start, m_start}, l_row[2] = {l_start, l_start};
   const int64_t row_of[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
 
-  for (int jt = first, next; jt < n_kv_tiles; jt = next) {
+  for (int jt = first, next; jt < n_kv_tiles; jt = next, state = found) {
+    const bool tile_mask = has_mask && state != kTileVisible;
     next = seen_from(jt + 1);
     const int64_t k0 = kv_begin + int64_t(jt) * kBlockKV;
     const int kv_rows = static_cast<int>(min64(kBlockKV, kv_end - k0));
-    const bool tile_mask = has_mask && tile_state(jt) != kTileVisible;
     v_tile.template load_async<kThreads>(v + k0 * p.v.row_stride, p.v.row_stride, kv_rows, dv, tid);
     cp_async_commit();
     cp_async_wait<1>();  // Q and this K

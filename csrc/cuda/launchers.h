@@ -4,6 +4,7 @@
 // call them. Each returns the launch's error (cudaSuccess when it started).
 
 #include "common/attention_params.h"
+#include "cuda/flash_config.h"
 
 #include <cuda_runtime_api.h>
 
@@ -14,7 +15,6 @@ namespace fusedmha::cuda {
 // The tensor-core kernels (flash_forward.cuh, flash_backward.cuh): float16
 // and bfloat16 on sm_80 and newer, head dims up to kFlashMaxHeadDim, rows
 // of q/k/v (and out/grad_out) 16-byte aligned with contiguous columns.
-constexpr int kFlashMaxHeadDim = 256;
 cudaError_t flash_forward(const AttentionParams& p, cudaStream_t stream);
 cudaError_t flash_backward(const BackwardParams& bp, cudaStream_t stream);
 

@@ -1,5 +1,6 @@
 #include "ops/attention_params_filler.h"
 
+#include "cuda/flash_config.h"
 #include "ops/attention_checks.h"
 #include "ops/attention_shapes.h"
 #include "ops/kv_quantization.h"
@@ -282,9 +283,10 @@ void AttentionCall::use_mask_tiles(const at::Tensor& mask) {
   // (Packed query heads read a mask's rows as rows of other heads.)
   if (group_ > 1 || p.num_outer == 0) return;
   // On other devices only for CUDA's tensor-core kernels, the ones that read
-  // the tiles there: 16-bit inputs, head dims up to 256.
+  // the tiles there: 16-bit inputs, head dims up to kFlashMaxHeadDim.
   const bool half = query_.scalar_type() == at::kHalf || query_.scalar_type() == at::kBFloat16;
-  if (!query_.is_cpu() && !(half && p.dim_qk <= 256 && p.dim_v <= 256)) return;
+  const bool flash_dims = std::max(p.dim_qk, p.dim_v) <= cuda::kFlashMaxHeadDim;
+  if (!query_.is_cpu() && !(half && flash_dims)) return;
   std::optional<MaskTiles> t = find_mask_tiles(mask, p.len_q, p.len_kv);
   if (!t || !t->any_uniform) return;
   if (t->all_visible && p.mask_kind == MaskKind::Bool) {
